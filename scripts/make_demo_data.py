@@ -1,0 +1,56 @@
+"""Regenerate the built-in demo data in trainer/demo_data/ (deterministic; committed output).
+
+    python scripts/make_demo_data.py
+
+Small templated tasks a tiny model learns in a few minutes on a CPU: arithmetic, word
+reversal, counting, capitals and colours, as prompt/completion pairs and as chat messages.
+"""
+
+import json
+import random
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "trainer" / "demo_data"
+WORDS = ["cat", "dog", "tree", "river", "stone", "cloud", "apple", "house", "light", "music",
+         "bread", "green", "table", "water", "night", "paper", "smile", "train", "glass", "ocean"]
+CAPITALS = {"France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Germany": "Berlin", "Japan": "Tokyo",
+            "Egypt": "Cairo", "Peru": "Lima", "Kenya": "Nairobi", "Canada": "Ottawa", "Norway": "Oslo"}
+COLOURS = {"grass": "green", "snow": "white", "the sky": "blue", "coal": "black", "a banana": "yellow",
+           "a tomato": "red", "an orange": "orange", "a plum": "purple"}
+
+
+def example(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(5)
+    if kind == 0:
+        a, b = rng.randrange(10), rng.randrange(10)
+        return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+    if kind == 1:
+        w = rng.choice(WORDS)
+        return f"Spell the word {w} backwards.", f"{w} backwards is {w[::-1]}."
+    if kind == 2:
+        w = rng.choice(WORDS)
+        return f"How many letters are in the word {w}?", f"The word {w} has {len(w)} letters."
+    if kind == 3:
+        country = rng.choice(list(CAPITALS))
+        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+    thing = rng.choice(list(COLOURS))
+    return f"What colour is {thing}?", f"{thing[0].upper() + thing[1:]} is {COLOURS[thing]}."
+
+
+def main() -> None:
+    rng = random.Random(0)
+    rows = [example(rng) for _ in range(1000)]
+    with open(OUT / "sft.jsonl", "w") as fh:
+        for prompt, completion in rows:
+            fh.write(json.dumps({"prompt": prompt, "completion": " " + completion}) + "\n")
+    with open(OUT / "chat.jsonl", "w") as fh:
+        for i in range(0, 600, 2):
+            (p1, c1), (p2, c2) = rows[i], rows[i + 1]
+            messages = [{"role": "system", "content": "You are a helpful assistant."},
+                        {"role": "user", "content": p1}, {"role": "assistant", "content": c1},
+                        {"role": "user", "content": p2}, {"role": "assistant", "content": c2}]
+            fh.write(json.dumps({"messages": messages}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

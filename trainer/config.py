@@ -1,0 +1,228 @@
+"""Stage configs and the command line that fills them.
+
+Each stage has one dataclass; its field ``help`` strings are the only documentation of a knob.
+`TrainConfig` holds the fields every stage shares (model, data, optimisation, checkpointing,
+LoRA, MLflow). Values come from, in increasing priority: field defaults, a YAML file of
+overrides (``--config FILE.yaml``), and ``--<field> VALUE`` flags.
+
+Parsing uses transformers' `HfArgumentParser` (dataclass -> argparse). YAML overrides are
+turned into flags before parsing so that both sources get the same type checks and errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+C = TypeVar("C", bound="TrainConfig")
+
+
+def _f(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with a default and its help string."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message says which field and how to fix it."""
+
+
+@dataclass
+class TrainConfig:
+    """Fields shared by every training stage."""
+
+    # --- model and data -------------------------------------------------------------------
+    model: str = _f("", "Starting model: a local folder, an s3:// prefix or a hub id.")
+    dataset: str = _f("", "Training data: a jsonl/json/parquet/csv file, a `datasets.save_to_disk` folder, "
+                          "an s3:// prefix, a hub id, or `demo` for the built-in demo data.")
+    dataset_split: str = _f("train", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
+    eval_dataset: str | None = _f(None, "Held-out data in the same format as `dataset` (optional).")
+    eval_split_ratio: float = _f(0.0, "When no `eval_dataset` is given, hold out this fraction of `dataset` "
+                                      "for evaluation (0 = no evaluation).")
+    output_dir: str = _f("outputs/run", "Where checkpoints and the final model go: a local folder or s3:// prefix.")
+    max_length: int = _f(1024, "Longest tokenized example (prompt + completion), in tokens.")
+    truncation_mode: Literal["keep_start", "keep_end", "drop"] = _f(
+        "keep_start", "What to do with examples longer than `max_length`: keep their start, keep their end, "
+                      "or drop them. The count is logged either way.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
+        "float32", "Parameter dtype for training. bfloat16 halves memory; float32 is exact on CPU.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
+    trust_remote_code: bool = _f(False, "Allow model code from the checkpoint folder (hub models with custom code).")
+
+    # --- optimisation -----------------------------------------------------------------------
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 means `num_epochs` passes over the data.")
+    num_epochs: float = _f(1.0, "Passes over the training data when `max_steps` is -1.")
+    per_device_batch_size: int = _f(8, "Examples per forward pass on each device.")
+    gradient_accumulation_steps: int = _f(1, "Forward passes per optimizer step.")
+    learning_rate: float = _f(2e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value (0 = no clipping).")
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"] = _f(
+        "linear", "Learning-rate schedule after warmup (transformers' `get_scheduler` names).")
+    warmup_ratio: float = _f(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
+    seed: int = _f(42, "Seed for model init, data order and sampling.")
+
+    # --- checkpoints and logging --------------------------------------------------------------
+    save_steps: int = _f(0, "Save a resumable checkpoint every this many steps (0 = only at the end).")
+    save_total_limit: int = _f(2, "Keep at most this many step checkpoints in `output_dir` (0 = keep all).")
+    logging_steps: int = _f(10, "Log metrics every this many steps.")
+    eval_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).")
+    resume_from_checkpoint: str | None = _f(
+        None, "A checkpoint folder to resume from, or `auto` for the newest complete checkpoint in `output_dir`.")
+    disable_progress_bar: bool = _f(False, "Hide the progress bar (it also hides when stderr is not a terminal).")
+
+    # --- LoRA ---------------------------------------------------------------------------------
+    lora_r: int = _f(0, "LoRA rank; 0 trains all weights.")
+    lora_alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = _f(["all-linear"], "Module names to adapt, or `all-linear`.")
+    lora_merge_on_save: bool = _f(False, "Also save a merged full model (in `merged/`) next to the adapter.")
+
+    # --- MLflow -------------------------------------------------------------------------------
+    mlflow_tracking_uri: str | None = _f(
+        None, "MLflow tracking URI; defaults to the MLFLOW_TRACKING_URI environment variable (unset = no MLflow).")
+    mlflow_experiment: str = _f("alignflow", "MLflow experiment name.")
+    mlflow_run_name: str | None = _f(None, "MLflow run name (default: the stage name and a timestamp).")
+    mlflow_parent_run_id: str | None = _f(
+        None, "Log as a child of this MLflow run (pipelines set it; also read from MLFLOW_PARENT_RUN_ID).")
+    mlflow_tags: list[str] = _f([], "Extra run tags as KEY=VALUE.")
+    mlflow_log_checkpoint: bool = _f(False, "Upload the final checkpoint folder as MLflow artifacts.")
+
+    stage = "base"  # class attribute, not a field
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; each error names the field and what to change."""
+        if not self.model:
+            raise ConfigError("`model` is required: pass --model PATH (a folder from `alignflow model init-tiny`, "
+                              "an s3:// prefix or a hub id).")
+        if not self.dataset:
+            raise ConfigError("`dataset` is required: pass --dataset PATH (jsonl/parquet/csv, a saved dataset "
+                              "folder, an s3:// prefix, or `demo`).")
+        positive = ("per_device_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"`max_steps` must be positive or -1 (use `num_epochs`), got {self.max_steps}.")
+        if self.max_steps == -1 and self.num_epochs <= 0:
+            raise ConfigError(f"`num_epochs` must be > 0 when `max_steps` is -1, got {self.num_epochs}.")
+        if self.learning_rate < 0:
+            raise ConfigError(f"`learning_rate` must be >= 0, got {self.learning_rate}.")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"`warmup_ratio` must be in [0, 1), got {self.warmup_ratio}.")
+        if not 0.0 <= self.eval_split_ratio < 1.0:
+            raise ConfigError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
+        if self.eval_dataset and self.eval_split_ratio:
+            raise ConfigError("Set either `eval_dataset` or `eval_split_ratio`, not both.")
+        for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
+        for tag in self.mlflow_tags:
+            if "=" not in tag:
+                raise ConfigError(f"`mlflow_tags` entries look like KEY=VALUE; got {tag!r}.")
+
+    @property
+    def tracking_uri(self) -> str | None:
+        return self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+    @property
+    def parent_run_id(self) -> str | None:
+        return self.mlflow_parent_run_id or os.environ.get("MLFLOW_PARENT_RUN_ID") or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown_field_error(cls: type, name: str, where: str) -> ConfigError:
+    names = field_names(cls)
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    return ConfigError(f"Unknown {cls.stage} option `{name}` ({where}).{hint} "
+                       f"Run `alignflow train {cls.stage} --help` to list the options.")
+
+
+def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str) -> list[str]:
+    """Turn YAML overrides into ``--name value`` tokens so argparse type-checks them too."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    argv: list[str] = []
+    for key, value in overrides.items():
+        if key not in fields:
+            raise _unknown_field_error(cls, key, f"in {source}")
+        if value is None:
+            continue  # argparse cannot express None; None is every Optional field's default
+        if isinstance(value, list):
+            if not value:
+                continue
+            argv += [f"--{key}", *[str(v) for v in value]]
+        elif isinstance(value, bool):
+            argv += [f"--{key}", "true" if value else "false"]
+        elif isinstance(value, dict):
+            raise ConfigError(f"`{key}` in {source} is a mapping; it takes a single value.")
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"Config file {path!r} does not exist.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"Config file {path!r} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path!r} must hold a mapping of option: value, got {type(data).__name__}.")
+    return data
+
+
+def make_parser(cls: type, prog: str | None = None):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(cls, prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0])
+    parser.add_argument("--config", default=None, help="YAML file of option overrides; flags override it.")
+    return parser
+
+
+def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None) -> C:
+    """Build a stage config from ``--config FILE.yaml`` and ``--<field> VALUE`` flags."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser(cls, prog=prog)
+    # Find --config without letting argparse complain about anything else yet.
+    pre, _ = parser.parse_known_args(argv) if "-h" not in argv and "--help" not in argv else (None, None)
+    yaml_argv: list[str] = []
+    if pre is not None and pre.config:
+        yaml_argv = _yaml_to_argv(cls, load_yaml(pre.config), pre.config)
+    # Flags after the YAML ones win (argparse keeps the last value).
+    namespace, remaining = parser.parse_known_args(yaml_argv + argv)
+    if remaining:
+        flag = next((r for r in remaining if r.startswith("--")), remaining[0])
+        raise _unknown_field_error(cls, flag.lstrip("-").split("=")[0], "on the command line")
+    values = {k: v for k, v in vars(namespace).items() if k != "config"}
+    return cls(**values)
+
+
+def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
+    """Build a config from a mapping (used by pipeline components), with the same checks."""
+    return parse_config(cls, _yaml_to_argv(cls, values, "the stage config"))

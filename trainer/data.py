@@ -1,0 +1,314 @@
+"""Loading, validating and tokenizing datasets.
+
+Sources: jsonl/json/parquet/csv files (optionally .gz), `datasets.save_to_disk` folders,
+folders of data files, ``s3://`` URIs (fetched with fsspec), hub ids when reachable, and the
+built-in demo data (``demo`` or ``demo:<name>``).
+
+Formats follow TRL: ``text``; ``prompt`` + ``completion`` (strings, or lists of chat messages);
+``messages`` (a list of ``{"role", "content"}`` rendered with the tokenizer's chat template).
+Every check runs before any model is loaded, and each error names the dataset, the offending
+column or row, and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from trainer.storage import fetch_to_local, is_remote
+
+log = logging.getLogger(__name__)
+
+DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+SFT_FORMATS = "`text`; `prompt` + `completion`; or `messages` (a list of {role, content} dicts)"
+
+
+class DataError(ValueError):
+    """The data cannot be used; the message names the dataset, column or row and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def demo_path(name: str = "sft") -> Path:
+    path = Path(str(resources.files("trainer") / "demo_data" / f"{name}.jsonl"))
+    if not path.exists():
+        available = sorted(p.stem for p in path.parent.glob("*.jsonl"))
+        raise DataError(f"No built-in demo dataset `demo:{name}`; available: {', '.join(available)}.")
+    return path
+
+
+def _builder_for(path: Path) -> str | None:
+    suffixes = [s for s in path.suffixes if s not in (".gz", ".bz2", ".xz", ".zst")]
+    return DATA_EXTENSIONS.get(suffixes[-1]) if suffixes else None
+
+
+def load_rows(spec: str, split: str = "train") -> datasets.Dataset:
+    """Load a dataset from any supported source as one `datasets.Dataset`."""
+    if spec == "demo" or spec.startswith("demo:"):
+        spec = str(demo_path(spec.partition(":")[2] or "sft"))
+    if is_remote(spec):
+        spec = fetch_to_local(spec)
+    path = Path(spec)
+    if path.is_file():
+        builder = _builder_for(path)
+        if builder is None:
+            raise DataError(f"Cannot read {spec!r}: unsupported file type. Use .jsonl, .json, .parquet or .csv "
+                            "(optionally .gz), or a `datasets.save_to_disk` folder.")
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as err:  # the builders raise many different types for malformed files
+            raise DataError(f"Could not parse {spec!r} as {builder}: {err}") from err
+    elif path.is_dir():
+        ds = _load_dir(path, split)
+    elif spec.startswith((".", "/", "~")) or spec.count("/") > 1 or _builder_for(path):
+        raise DataError(f"Dataset path {spec!r} does not exist.")
+    else:
+        try:
+            ds = datasets.load_dataset(spec, split=split)
+        except Exception as err:
+            raise DataError(f"Dataset {spec!r} is neither a local file/folder nor a loadable hub dataset "
+                            f"({type(err).__name__}: {err}). Check the path, or pass a jsonl/parquet file.") from err
+    if len(ds) == 0:
+        raise DataError(f"Dataset {spec!r} is empty: it has columns {ds.column_names} but no rows.")
+    return ds
+
+
+def _load_dir(path: Path, split: str) -> datasets.Dataset:
+    if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"Saved dataset {str(path)!r} has splits {list(loaded)}, not {split!r}; "
+                                "set `dataset_split`.")
+            return loaded[split]
+        return loaded
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _builder_for(p))
+    builders = {_builder_for(p) for p in files}
+    if not files:
+        raise DataError(f"Folder {str(path)!r} holds no .jsonl/.json/.parquet/.csv files and is not a "
+                        "`datasets.save_to_disk` folder.")
+    if len(builders) > 1:
+        raise DataError(f"Folder {str(path)!r} mixes file types {sorted(builders)}; keep one type per dataset.")
+    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
+
+
+def split_eval(ds: datasets.Dataset, ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    parts = ds.train_test_split(test_size=ratio, seed=seed)
+    return parts["train"], parts["test"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Formats
+
+
+def is_conversational(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def detect_sft_format(ds: datasets.Dataset, name: str) -> str:
+    cols = set(ds.column_names)
+    if "messages" in cols:
+        return "messages"
+    if {"prompt", "completion"} <= cols:
+        return "prompt_completion"
+    if "text" in cols:
+        return "text"
+    hint = ""
+    if {"chosen", "rejected"} <= cols:
+        hint = " This looks like preference data: use `alignflow train dpo` or `alignflow train reward`."
+    elif "prompt" in cols:
+        hint = " It has `prompt` but no `completion`: prompt-only data is for `alignflow train grpo`."
+    raise DataError(f"Dataset {name!r} has columns {sorted(cols)}; SFT accepts {SFT_FORMATS}.{hint}")
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("The tokenizer has no chat template, so chat `messages` cannot be rendered. Use a model "
+                        "with a chat template (e.g. from `alignflow model init-tiny`) or text data.")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _check_messages(messages: Any, row: int, column: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"Row {row}: `{column}` must be a non-empty list of {{role, content}} dicts, "
+                        f"got {type(messages).__name__}.")
+    for turn, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise DataError(f"Row {row}: `{column}[{turn}]` must be a dict with `role` and `content`, got {msg!r}.")
+
+
+def _assistant_spans(tokenizer, messages: list[dict], row: int) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation and return the character spans of the assistant turns.
+
+    Each span runs from the end of the generation prompt before an assistant turn to the end
+    of that turn's rendering, so it covers the reply and its end-of-turn token(s). This needs
+    only the template's prefix property (rendering a conversation extends rendering its start),
+    not special `{% generation %}` markers, so it works with most chat templates.
+    """
+    text = render_chat(tokenizer, messages)
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        start = render_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        end = render_chat(tokenizer, messages[: i + 1])
+        if not (text.startswith(end) and end.startswith(start)):
+            raise DataError(f"Row {row}: the chat template does not render conversations prefix by prefix, so "
+                            "assistant turns cannot be located. Set `assistant_only_loss false` to train on "
+                            "all tokens.")
+        spans.append((len(start), len(end)))
+    return text, spans
+
+
+@dataclass
+class TokenizedSFT:
+    """Token ids and the loss mask (1 = train on this token) of every kept example."""
+
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    num_truncated: int = 0
+    num_dropped_long: int = 0
+    num_dropped_no_loss: int = 0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, offsets: bool = False):
+    return tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=offsets,
+                     return_attention_mask=False)
+
+
+def tokenize_sft_row(tokenizer, row: dict, fmt: str, index: int, completion_only_loss: bool,
+                     assistant_only_loss: bool) -> tuple[list[int], list[int]]:
+    eos = tokenizer.eos_token_id
+    if fmt == "text":
+        text = row["text"]
+        if not isinstance(text, str):
+            raise DataError(f"Row {index}: `text` must be a string, got {type(text).__name__}.")
+        ids = _encode(tokenizer, text, True)["input_ids"]
+        ids = ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+        return ids, [1] * len(ids)
+    if fmt == "prompt_completion":
+        prompt, completion = row["prompt"], row["completion"]
+        if is_conversational(prompt):
+            _check_messages(prompt, index, "prompt")
+            _check_messages(completion, index, "completion")
+            prompt_text = render_chat(tokenizer, prompt, add_generation_prompt=True)
+            full = render_chat(tokenizer, prompt + completion)
+            if not full.startswith(prompt_text):
+                raise DataError(f"Row {index}: the chat template's rendering of prompt + completion does not start "
+                                "with the rendered prompt.")
+            prompt_ids = _encode(tokenizer, prompt_text, False)["input_ids"]
+            completion_ids = _encode(tokenizer, full[len(prompt_text):], False)["input_ids"]
+        else:
+            for col, val in (("prompt", prompt), ("completion", completion)):
+                if not isinstance(val, str):
+                    raise DataError(f"Row {index}: `{col}` must be a string or a list of chat messages, "
+                                    f"got {type(val).__name__}.")
+            prompt_ids = _encode(tokenizer, prompt, True)["input_ids"]
+            completion_ids = _encode(tokenizer, completion, False)["input_ids"]
+            if eos is not None and (not completion_ids or completion_ids[-1] != eos):
+                completion_ids = completion_ids + [eos]
+        mask = [0 if completion_only_loss else 1] * len(prompt_ids) + [1] * len(completion_ids)
+        return prompt_ids + completion_ids, mask
+    # messages
+    messages = row["messages"]
+    _check_messages(messages, index, "messages")
+    if not assistant_only_loss:
+        ids = _encode(tokenizer, render_chat(tokenizer, messages), False)["input_ids"]
+        return ids, [1] * len(ids)
+    text, spans = _assistant_spans(tokenizer, messages, index)
+    enc = _encode(tokenizer, text, False, offsets=True)
+    mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+def truncate(ids: list[int], mask: list[int], max_length: int, mode: str):
+    """Apply `truncation_mode` to one example; returns None when it should be dropped."""
+    if len(ids) <= max_length:
+        return ids, mask
+    if mode == "drop":
+        return None
+    if mode == "keep_end":
+        return ids[-max_length:], mask[-max_length:]
+    return ids[:max_length], mask[:max_length]
+
+
+def tokenize_sft(ds: datasets.Dataset, tokenizer, name: str, max_length: int, truncation_mode: str,
+                 completion_only_loss: bool = True, assistant_only_loss: bool = True) -> TokenizedSFT:
+    """Tokenize SFT data, apply the length policy and drop examples with nothing to learn."""
+    fmt = detect_sft_format(ds, name)
+    out = TokenizedSFT([], [])
+    for index, row in enumerate(ds):
+        ids, mask = tokenize_sft_row(tokenizer, row, fmt, index, completion_only_loss, assistant_only_loss)
+        if len(ids) > max_length:
+            out.num_truncated += truncation_mode != "drop"
+            out.num_dropped_long += truncation_mode == "drop"
+        kept = truncate(ids, mask, max_length, truncation_mode)
+        if kept is None:
+            continue
+        # The first token is never predicted, so it cannot carry the loss.
+        if sum(kept[1][1:]) == 0:
+            out.num_dropped_no_loss += 1
+            continue
+        out.input_ids.append(kept[0])
+        out.loss_mask.append(kept[1])
+    report_lengths(name, len(ds), max_length, truncation_mode, out.num_truncated, out.num_dropped_long,
+                   out.num_dropped_no_loss, len(out))
+    return out
+
+
+def report_lengths(name: str, total: int, max_length: int, mode: str, truncated: int, dropped_long: int,
+                   dropped_no_loss: int, kept: int) -> None:
+    if truncated:
+        log.warning("%s: %d of %d rows are longer than max_length=%d and were truncated (%s).",
+                    name, truncated, total, max_length, mode)
+    if dropped_long:
+        log.warning("%s: dropped %d of %d rows longer than max_length=%d (truncation_mode=drop).",
+                    name, dropped_long, total, max_length)
+    if dropped_no_loss:
+        log.warning("%s: dropped %d rows with no trainable tokens left (completion cut off by max_length=%d?).",
+                    name, dropped_no_loss, max_length)
+    if kept == 0:
+        raise DataError(f"Dataset {name!r}: no rows left after applying max_length={max_length} "
+                        f"(truncation_mode={mode}); raise `max_length` or use truncation_mode=keep_start.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+
+
+def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing of example indices into rows of at most `capacity` tokens.
+
+    Longest examples are placed first, each into the fullest row it still fits in. Rows stay
+    in a sorted list of (free space, row id) so each placement is a bisect.
+    """
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (free tokens, bin id)
+    for i in order:
+        n = lengths[i]
+        pos = bisect.bisect_left(free, (n, -1))
+        if pos < len(free):
+            space, b = free.pop(pos)
+        else:
+            b, space = len(bins), capacity
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(free, (space - n, b))
+    return bins
+
+
+def dataset_fingerprint(ds: datasets.Dataset) -> str:
+    return getattr(ds, "_fingerprint", "") or ""

@@ -1,0 +1,112 @@
+"""Leaf helpers every training stage's loop uses: seeding, optimizer and schedule, the
+resumable data order, and progress reporting. No loop lives here; each stage owns its own."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def set_seed(seed: int) -> None:
+    from transformers import set_seed as hf_set_seed
+
+    hf_set_seed(seed)
+
+
+def build_optimizer(model, config) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no trainable parameters; check `lora_r` / `lora_target_modules`.")
+    return torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             weight_decay=config.weight_decay)
+
+
+def build_scheduler(optimizer, config, total_steps: int):
+    from transformers import get_scheduler
+
+    kwargs = {"min_lr_rate": 0.1} if config.lr_scheduler == "cosine_with_min_lr" else None
+    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=math.ceil(config.warmup_ratio * total_steps),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
+
+
+def total_steps(config, num_examples: int) -> int:
+    """Optimizer steps for the run: `max_steps`, or `num_epochs` passes at the configured batch sizes."""
+    if config.max_steps > 0:
+        return config.max_steps
+    batches_per_epoch = math.ceil(num_examples / config.per_device_batch_size)
+    return max(1, math.ceil(config.num_epochs * batches_per_epoch / config.gradient_accumulation_steps))
+
+
+def step_batches(num_examples: int, batch_size: int, accumulation: int, seed: int, step: int) -> list[list[int]]:
+    """Example indices of each micro-batch of optimizer step `step` (1-based).
+
+    The order is a pure function of (seed, epoch), so a resumed run picks up the same batches
+    from the step number alone: no sampler state to save. Epochs wrap when `max_steps` asks
+    for more data than one pass.
+    """
+    per_epoch = math.ceil(num_examples / batch_size)
+    out = []
+    for micro in range((step - 1) * accumulation, step * accumulation):
+        epoch, index = divmod(micro, per_epoch)
+        order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(order[index * batch_size:(index + 1) * batch_size].tolist())
+    return out
+
+
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+class MetricWindow:
+    """Averages step metrics over a logging window (TRL logs window means of loss and friends)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.sums[key] += float(value)
+            self.counts[key] += 1
+
+    def pop(self) -> dict[str, float]:
+        out = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        self.sums.clear()
+        self.counts.clear()
+        return out
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain log lines every logging step everywhere (KFP logs, CI)."""
+
+    def __init__(self, total: int, initial: int, desc: str, disable: bool = False) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
+                        disable=disable or not sys.stderr.isatty())
+        self.start = time.perf_counter()
+        self.total = total
+
+    def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        self.bar.update(1)
+        if metrics:
+            shown = {k: f"{v:.4g}" for k, v in metrics.items() if k in ("loss", "reward", "eval_loss", "accuracy")}
+            self.bar.set_postfix(shown, refresh=False)
+            if self.bar.disable:
+                text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+                log.info("step %d/%d %s (%.1fs)", step, self.total, text, time.perf_counter() - self.start)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,108 @@
+"""Loading models and tokenizers for training: local folders, s3:// prefixes or hub ids; dtype;
+LoRA through peft; gradient checkpointing; a pad token when the tokenizer has none."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import COMPLETE_MARKER, MANIFEST
+from trainer.storage import fetch_to_local, is_remote
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+class ModelError(ValueError):
+    """The model cannot be loaded; the message says why and what to pass instead."""
+
+
+def resolve_model_path(spec: str) -> str:
+    """A local folder for `spec` (s3:// prefixes are downloaded), or the hub id unchanged.
+
+    A folder written by alignflow counts only when its completion marker is there: a stage
+    that died while saving leaves a folder that must not be mistaken for a model.
+    """
+    if is_remote(spec):
+        spec = fetch_to_local(spec)
+    path = Path(spec)
+    if path.is_dir():
+        if (path / MANIFEST).exists() and not (path / COMPLETE_MARKER).exists():
+            raise ModelError(f"{spec!r} is an incomplete alignflow checkpoint (no {COMPLETE_MARKER}); the stage "
+                             "that wrote it did not finish. Resume that stage or pick another checkpoint.")
+        if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+            raise ModelError(f"{spec!r} has no config.json: it is not a Hugging Face model folder.")
+        return str(path)
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelError(f"Model path {spec!r} does not exist. Build a test model with "
+                         "`alignflow model init-tiny --out DIR`.")
+    return spec  # a hub id; from_pretrained reports if it cannot be fetched
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"The tokenizer of {path!r} has neither a pad nor an eos token; add one to its "
+                             "tokenizer_config.json.")
+        warnings.warn(f"The tokenizer of {path!r} has no pad token; using its eos token "
+                      f"{tokenizer.eos_token!r} for padding.", stacklevel=2)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _is_adapter(path: str) -> bool:
+    return Path(path, "adapter_config.json").exists()
+
+
+def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False,
+                   gradient_checkpointing: bool = False, trainable_adapter: bool = False):
+    """Load a causal LM; a PEFT adapter folder is loaded on top of its base model."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    if _is_adapter(path):
+        from peft import PeftConfig, PeftModel
+
+        base_path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+        base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+        model = PeftModel.from_pretrained(base, path, is_trainable=trainable_adapter)
+        if not trainable_adapter:
+            model = model.merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str],
+               task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None):
+    """Wrap `model` with fresh LoRA adapters (peft)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = "all-linear" if target_modules == ["all-linear"] else target_modules
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        task_type=task_type, modules_to_save=modules_to_save)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as err:
+        raise ModelError(f"LoRA could not be applied ({err}). Check `lora_target_modules` against the "
+                         "model's module names.") from err
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.enable_input_require_grads()
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total
