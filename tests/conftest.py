@@ -1,0 +1,23 @@
+"""Shared pytest setup. Server fixtures live in tests/servers.py (imported here)."""
+
+import os
+
+# 2-thread training slows 10-30x on a shared machine with OpenMP's default busy-wait; no hub.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from tests.servers import dead_mlflow_uri, mlflow_server, s3_env, s3_server  # noqa: E402
+
+__all__ = ["dead_mlflow_uri", "mlflow_server", "s3_env", "s3_server"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama model + BPE tokenizer with a chat template (built offline, ~5 s)."""
+    from trainer.tiny import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("tiny-model")))
