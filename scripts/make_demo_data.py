@@ -37,6 +37,17 @@ def example(rng: random.Random) -> tuple[str, str]:
     return f"What colour is {thing}?", f"{thing[0].upper() + thing[1:]} is {COLOURS[thing]}."
 
 
+def wrong(rng: random.Random, prompt: str, completion: str) -> str:
+    """A fluent but wrong reply: the same sentence with its answer swapped."""
+    words = completion.rstrip(".").split()
+    answer = next((w for w in reversed(words) if w.isdigit()), words[-1])
+    if answer.isdigit():
+        cut = completion.rfind(answer)
+        return completion[:cut] + str(int(answer) + rng.randrange(1, 5)) + completion[cut + len(answer):]
+    pool = [w for w in list(CAPITALS.values()) + list(COLOURS.values()) + [w[::-1] for w in WORDS] if w != answer]
+    return completion[: completion.rfind(answer)] + rng.choice(pool) + "."
+
+
 def main() -> None:
     rng = random.Random(0)
     rows = [example(rng) for _ in range(1000)]
@@ -50,6 +61,10 @@ def main() -> None:
                         {"role": "user", "content": p1}, {"role": "assistant", "content": c1},
                         {"role": "user", "content": p2}, {"role": "assistant", "content": c2}]
             fh.write(json.dumps({"messages": messages}) + "\n")
+    with open(OUT / "preferences.jsonl", "w") as fh:
+        for prompt, completion in rows[:600]:
+            fh.write(json.dumps({"prompt": prompt, "chosen": " " + completion,
+                                 "rejected": " " + wrong(rng, prompt, completion)}) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import logging
 import random
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from trainer import storage
+from trainer.tracking import git_sha
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,6 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return versions
-
-
-def git_sha() -> str | None:
-    import os
-
-    if os.environ.get("ALIGNFLOW_GIT_SHA"):
-        return os.environ["ALIGNFLOW_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def build_manifest(stage: str, config: Any, base_model: str, datasets: dict[str, dict], metrics: dict[str, float],
