@@ -198,7 +198,8 @@ def load_yaml(path: str) -> dict[str, Any]:
 def make_parser(cls: type, prog: str | None = None):
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(cls, prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0])
+    parser = HfArgumentParser(cls, prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0],
+                              allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option overrides; flags override it.")
     return parser
 

@@ -12,6 +12,7 @@ column or row, and the fix.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from importlib import resources
@@ -64,6 +65,8 @@ def load_rows(spec: str, split: str = "train") -> datasets.Dataset:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:  # the builders raise many different types for malformed files
+            if _has_no_rows(path, builder):  # they also fail (cryptically) on files with no rows
+                raise DataError(f"Dataset {spec!r} is empty: the file holds no rows.") from err
             raise DataError(f"Could not parse {spec!r} as {builder}: {err}") from err
     elif path.is_dir():
         ds = _load_dir(path, split)
@@ -80,9 +83,31 @@ def load_rows(spec: str, split: str = "train") -> datasets.Dataset:
     return ds
 
 
+def _has_no_rows(path: Path, builder: str) -> bool:
+    """Whether a file that failed to load simply has no rows (empty, `[]`, or a CSV header only)."""
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows == 0
+        import fsspec
+
+        with fsspec.open(str(path), "rt", compression="infer") as fh:
+            head = fh.read(4096).strip()
+    except Exception:
+        return False
+    return "\n" not in head if builder == "csv" else head in ("", "[]")
+
+
 def _load_dir(path: Path, split: str) -> datasets.Dataset:
     if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as err:
+            # `save_to_disk` writes a split with no rows as no data files, and cannot read that back.
+            if any(not json.loads(p.read_text()).get("_data_files") for p in path.glob("**/state.json")):
+                raise DataError(f"Saved dataset {str(path)!r} is empty: a split has no rows.") from err
+            raise DataError(f"Could not load the saved dataset {str(path)!r}: {type(err).__name__}: {err}") from err
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise DataError(f"Saved dataset {str(path)!r} has splits {list(loaded)}, not {split!r}; "
@@ -96,7 +121,13 @@ def _load_dir(path: Path, split: str) -> datasets.Dataset:
                         "`datasets.save_to_disk` folder.")
     if len(builders) > 1:
         raise DataError(f"Folder {str(path)!r} mixes file types {sorted(builders)}; keep one type per dataset.")
-    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
+    builder = builders.pop()
+    try:
+        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+    except Exception as err:
+        if all(_has_no_rows(p, builder) for p in files):
+            raise DataError(f"Dataset {str(path)!r} is empty: its files hold no rows.") from err
+        raise DataError(f"Could not parse the files in {str(path)!r} as {builder}: {err}") from err
 
 
 def split_eval(ds: datasets.Dataset, ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -140,7 +171,9 @@ def _check_messages(messages: Any, row: int, column: str) -> None:
         raise DataError(f"Row {row}: `{column}` must be a non-empty list of {{role, content}} dicts, "
                         f"got {type(messages).__name__}.")
     for turn, msg in enumerate(messages):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+        # Arrow fills a key missing from one message with None, so check values, not just keys.
+        missing_content = isinstance(msg, dict) and msg.get("content") is None and not msg.get("tool_calls")
+        if not isinstance(msg, dict) or msg.get("role") is None or missing_content:
             raise DataError(f"Row {row}: `{column}[{turn}]` must be a dict with `role` and `content`, got {msg!r}.")
 
 
