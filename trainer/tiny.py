@@ -58,10 +58,14 @@ def build_tokenizer(vocab_size: int = 1024):
     )
 
 
-def init_tiny(out: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-              num_kv_heads: int = 2, intermediate_size: int = 192, vocab_size: int = 1024,
+def init_tiny(out: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
+              num_kv_heads: int = 1, intermediate_size: int = 192, vocab_size: int = 1024,
               max_position_embeddings: int = 2048, seed: int = 0) -> Path:
-    """Write a tiny Llama model + tokenizer to ``out`` and return the folder."""
+    """Write a tiny Llama model + tokenizer to ``out`` and return the folder.
+
+    The head dimension (hidden_size / num_heads) defaults to 32: vLLM's CPU attention kernels
+    support 32, 64, 80, 96, 112, 128 and 256, not smaller ones.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
