@@ -3,7 +3,8 @@
     python scripts/make_demo_data.py
 
 Small templated tasks a tiny model learns in a few minutes on a CPU: arithmetic, word
-reversal, counting, capitals and colours, as prompt/completion pairs and as chat messages.
+reversal, counting, capitals and colours, as prompt/completion pairs, chat messages and
+preference pairs, plus GSM8K-shaped math prompts for GRPO.
 """
 
 import json
@@ -65,6 +66,19 @@ def main() -> None:
         for prompt, completion in rows[:600]:
             fh.write(json.dumps({"prompt": prompt, "chosen": " " + completion,
                                  "rejected": " " + wrong(rng, prompt, completion)}) + "\n")
+    with open(OUT / "math.jsonl", "w") as fh:
+        for row in math_prompts(rng):
+            fh.write(json.dumps(row) + "\n")
+
+
+def math_prompts(rng: random.Random, n: int = 200) -> list[dict]:
+    """GSM8K-shaped prompts (an `answer` column ending in `#### N`) for GRPO with exact-answer rewards."""
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(20), rng.randrange(20)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} plus {b}? End with #### and the number."}],
+                     "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return rows
 
 
 if __name__ == "__main__":

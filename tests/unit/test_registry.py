@@ -1,0 +1,228 @@
+"""Gated promotion in an embedded MLflow registry (sqlite): champion, gate, previous-champion, rollback."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainer import checkpoint as ckpt
+from trainer.registry import (
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    PromotionResult,
+    RegistryError,
+    champion_uri,
+    download_champion,
+    gate,
+    promote,
+    register_checkpoint,
+    rollback,
+    run_metrics,
+)
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory) -> str:
+    """One embedded store for the module (creating its tables takes seconds); each test its own model name."""
+    return f"sqlite:///{tmp_path_factory.mktemp('registry') / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def client(uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def fake_checkpoint(folder: Path, tag: str, complete: bool = True) -> str:
+    """A checkpoint folder as the stages write it (weights are stand-in bytes: nothing loads them here)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "tag": tag}))
+    (folder / "model.safetensors").write_bytes(tag.encode() * 100)
+    (folder / ckpt.MANIFEST).write_text(json.dumps({
+        "stage": "grpo", "base_model": "outputs/sft", "git_sha": "abc123",
+        "datasets": {"train": {"path": "gsm8k/train.jsonl", "fingerprint": f"fp-{tag}", "rows": 100}},
+        "metrics": {"reward": 0.1}}))
+    (folder / ckpt.STATE_DIR).mkdir()
+    (folder / ckpt.STATE_DIR / "optimizer.pt").write_bytes(b"big")
+    if complete:
+        (folder / ckpt.COMPLETE_MARKER).write_text("{}")
+    return str(folder)
+
+
+def _name() -> str:
+    return f"policy-{uuid.uuid4().hex[:8]}"
+
+
+def _aliases(client, name: str) -> dict[str, str]:
+    return {alias: str(v) for alias, v in client.get_registered_model(name).aliases.items()}
+
+
+def test_promotion_flow_and_rollback(uri, client, tmp_path):
+    name = _name()
+    first = promote(name, fake_checkpoint(tmp_path / "a", "a"), {"reward": 0.5, "accuracy": 0.2}, tracking_uri=uri)
+    assert first == PromotionResult("1", True, first.reason, None, "1")
+    assert "first champion" in first.reason
+    assert champion_uri(name, uri) == f"models:/{name}@champion"
+
+    worse = promote(name, fake_checkpoint(tmp_path / "b", "b"), {"reward": 0.4}, tracking_uri=uri)
+    assert (worse.version, worse.promoted, worse.champion_before, worse.champion_after) == ("2", False, "1", "1")
+    assert "gate fails" in worse.reason and "reward=0.4" in worse.reason and "0.5" in worse.reason
+    assert _aliases(client, name) == {CHAMPION: "1"}
+    assert client.get_model_version(name, "2").tags["alignflow.promotion.promoted"] == "false"
+
+    better = promote(name, fake_checkpoint(tmp_path / "c", "c"), {"reward": 0.7}, tracking_uri=uri)
+    assert (better.version, better.promoted, better.champion_before, better.champion_after) == ("3", True, "1", "3")
+    assert _aliases(client, name) == {CHAMPION: "3", PREVIOUS_CHAMPION: "1"}
+
+    back = rollback(name, uri)
+    assert (back.champion_before, back.champion_after) == ("3", "1")
+    assert _aliases(client, name) == {CHAMPION: "1", PREVIOUS_CHAMPION: "3"}
+    # The gate now compares with the restored champion's 0.5: 0.6 passes, 0.45 would not.
+    assert promote(name, fake_checkpoint(tmp_path / "d", "d"), {"reward": 0.6}, tracking_uri=uri).promoted
+
+
+def test_version_tags_and_artifacts(uri, client, tmp_path):
+    name = _name()
+    result = promote(name, fake_checkpoint(tmp_path / "a", "a"), {"reward": 0.5, "kl": 0.01}, tracking_uri=uri,
+                     tags={"pipeline": "nightly"})
+    version = client.get_model_version(name, result.version)
+    tags = version.tags
+    assert tags["alignflow.metric.reward"] == "0.5" and tags["alignflow.metric.kl"] == "0.01"
+    assert tags["alignflow.dataset.train.fingerprint"] == "fp-a" and tags["alignflow.dataset.train.rows"] == "100"
+    assert tags["alignflow.base_model"] == "outputs/sft" and tags["alignflow.stage"] == "grpo"
+    assert tags["pipeline"] == "nightly" and tags["alignflow.promotion.gate_metric"] == "reward"
+    assert version.source == f"runs:/{version.run_id}/checkpoint"
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["alignflow.stage"] == "promote"
+    assert run.data.metrics == {"reward": 0.5, "kl": 0.01}
+
+    local = Path(download_champion(name, str(tmp_path / "download"), uri))
+    assert sorted(p.name for p in local.iterdir()) == sorted(["config.json", "model.safetensors", ckpt.MANIFEST,
+                                                               ckpt.COMPLETE_MARKER])  # no training_state/
+    assert json.loads((local / "config.json").read_text())["tag"] == "a"
+    assert download_champion(_name(), str(tmp_path / "none"), uri) is None
+    assert champion_uri(_name(), uri) is None
+
+
+def test_lower_is_better_and_min_improvement(uri, client, tmp_path):
+    name = _name()
+    assert promote(name, fake_checkpoint(tmp_path / "a", "a"), {"loss": 1.0}, gate_metric="loss",
+                   higher_is_better=False, tracking_uri=uri).promoted
+    higher = promote(name, fake_checkpoint(tmp_path / "b", "b"), {"loss": 1.2}, gate_metric="loss",
+                     higher_is_better=False, tracking_uri=uri)
+    small = promote(name, fake_checkpoint(tmp_path / "c", "c"), {"loss": 0.95}, gate_metric="loss",
+                    higher_is_better=False, min_improvement=0.1, tracking_uri=uri)
+    big = promote(name, fake_checkpoint(tmp_path / "d", "d"), {"loss": 0.8}, gate_metric="loss",
+                  higher_is_better=False, min_improvement=0.1, tracking_uri=uri)
+    assert (higher.promoted, small.promoted, big.promoted) == (False, False, True)
+    assert _aliases(client, name) == {CHAMPION: big.version, PREVIOUS_CHAMPION: "1"}
+
+
+def test_gate_rule():
+    assert gate(0.5, None, "reward", 0.0, True)[0]
+    assert not gate(0.5, 0.5, "reward", 0.0, True)[0], "a tie does not beat the champion"
+    assert gate(0.51, 0.5, "reward", 0.0, True)[0]
+    assert not gate(0.55, 0.5, "reward", 0.1, True)[0]
+    assert gate(0.45, 0.5, "reward", -0.1, True)[0], "a negative margin tolerates a small regression"
+    assert gate(0.4, 0.5, "loss", 0.05, False)[0] and not gate(0.6, 0.5, "loss", 0.0, False)[0]
+
+
+def test_champion_without_the_gate_metric_blocks_until_forced(uri, client, tmp_path):
+    name = _name()
+    promote(name, fake_checkpoint(tmp_path / "a", "a"), {"reward": 0.5}, tracking_uri=uri)
+    blocked = promote(name, fake_checkpoint(tmp_path / "b", "b"), {"accuracy": 0.9}, gate_metric="accuracy",
+                      tracking_uri=uri)
+    assert not blocked.promoted and "no stored `accuracy`" in blocked.reason
+    forced = promote(name, fake_checkpoint(tmp_path / "c", "c"), {"accuracy": 0.9}, gate_metric="accuracy",
+                     tracking_uri=uri, force=True)
+    assert forced.promoted and _aliases(client, name)[CHAMPION] == forced.version
+
+
+def test_register_from_a_runs_logged_checkpoint(uri, client, tmp_path):
+    """`promote --run RUN_ID`: a stage run that logged its checkpoint (mlflow_log_checkpoint) is registered as is."""
+    name = _name()
+    experiment = client.create_experiment(f"exp-{name}", artifact_location=(tmp_path / "art").as_uri())
+    run = client.create_run(experiment)
+    client.log_artifacts(run.info.run_id, fake_checkpoint(tmp_path / "a", "a"), "checkpoint")
+    client.log_metric(run.info.run_id, "reward", 0.3)
+    client.set_terminated(run.info.run_id)
+
+    metrics = run_metrics(run.info.run_id, uri)
+    assert metrics == {"reward": 0.3}
+    result = promote(name, None, metrics, run_id=run.info.run_id, tracking_uri=uri)
+    version = client.get_model_version(name, result.version)
+    assert result.promoted and version.run_id == run.info.run_id
+    assert version.tags["alignflow.dataset.train.fingerprint"] == "fp-a"
+
+    empty = client.create_run(experiment)
+    with pytest.raises(RegistryError, match="no checkpoint"):
+        register_checkpoint(name, None, {"reward": 1.0}, run_id=empty.info.run_id, tracking_uri=uri)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors come before any write
+
+
+def test_unreachable_server_is_a_fast_clear_error(dead_mlflow_uri, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RegistryError) as err:
+        promote("policy", fake_checkpoint(tmp_path / "a", "a"), {"reward": 0.5}, tracking_uri=dead_mlflow_uri)
+    assert time.monotonic() - start < 10
+    assert dead_mlflow_uri in str(err.value) and "MLFLOW_TRACKING_URI" in str(err.value)
+    with pytest.raises(RegistryError, match="cannot be reached"):
+        rollback("policy", dead_mlflow_uri)
+
+
+def test_no_tracking_uri(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(RegistryError, match="MLFLOW_TRACKING_URI"):
+        promote("policy", fake_checkpoint(tmp_path / "a", "a"), {"reward": 0.5})
+
+
+def test_bad_candidates_register_nothing(uri, client, tmp_path):
+    name = _name()
+    with pytest.raises(RegistryError, match="Gate metric `reward`.*accuracy"):
+        promote(name, fake_checkpoint(tmp_path / "a", "a"), {"accuracy": 0.5}, tracking_uri=uri)
+    with pytest.raises(RegistryError, match="nan"):
+        promote(name, fake_checkpoint(tmp_path / "b", "b"), {"reward": float("nan")}, tracking_uri=uri)
+    with pytest.raises(RegistryError, match="incomplete"):
+        promote(name, fake_checkpoint(tmp_path / "c", "c", complete=False), {"reward": 0.5}, tracking_uri=uri)
+    with pytest.raises(RegistryError, match="does not exist"):
+        promote(name, str(tmp_path / "missing"), {"reward": 0.5}, tracking_uri=uri)
+    with pytest.raises(RegistryError, match="previous-champion"):
+        rollback(name, uri)
+    assert client.search_model_versions(f"name = '{name}'") == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def test_cli_promote_and_rollback(uri, client, tmp_path, capsys):
+    from trainer.cli import main
+
+    name = _name()
+    for i, reward in enumerate([0.5, 0.8]):
+        metrics = tmp_path / f"metrics{i}.json"
+        metrics.write_text(json.dumps({"reward": reward, "completions/mean_length": 12.0}))
+        code = main(["promote", "--model-name", name, "--checkpoint", fake_checkpoint(tmp_path / f"c{i}", str(i)),
+                     "--metrics", str(metrics), "--gate", "reward", "--tracking-uri", uri, "--tag", "k=v"])
+        assert code == 0
+        assert json.loads(capsys.readouterr().out)["promoted"] is True
+    assert _aliases(client, name) == {CHAMPION: "2", PREVIOUS_CHAMPION: "1"}
+    assert client.get_model_version(name, "2").tags["k"] == "v"
+
+    assert main(["promote", "--rollback", name, "--tracking-uri", uri]) == 0
+    assert json.loads(capsys.readouterr().out)["champion_after"] == "1"
+    assert _aliases(client, name) == {CHAMPION: "1", PREVIOUS_CHAMPION: "2"}
+
+    assert main(["promote", "--model-name", name, "--checkpoint", str(tmp_path / "c0"), "--metrics",
+                 str(tmp_path / "missing.json"), "--tracking-uri", uri]) == 1
+    assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["promote", "--model-name", name, "--checkpoint", str(tmp_path / "c0")])  # no --metrics

@@ -1,0 +1,92 @@
+"""RewardModelScorer: batching changes no score, chat is rendered with the RM's own template, TRL's signature."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.data import render_chat
+from trainer.models import load_reward_model, load_tokenizer
+from trainer.rewards import RewardModelScorer, plain_chat
+
+
+@pytest.fixture(scope="module")
+def reward_checkpoint(tiny_model, tmp_path_factory) -> str:
+    """The tiny model with a random scalar head, saved as a sequence-classification folder."""
+    tokenizer = load_tokenizer(tiny_model)
+    torch.manual_seed(0)
+    model = load_reward_model(tiny_model, tokenizer.pad_token_id)
+    with torch.no_grad():
+        model.score.weight.mul_(50)  # spread the random rewards so that batching errors would show
+    out = Path(tmp_path_factory.mktemp("scorer")) / "my-rm"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+PROMPTS = ["What is 2 + 2?", "Name a colour.", "Q", "Write a long sentence about rivers, stones and clouds please."]
+COMPLETIONS = [" 4", " Blue, or perhaps a deep shade of green.", " A", " Rivers run."]
+
+
+def test_batched_scores_equal_one_by_one_scores(reward_checkpoint):
+    batched = RewardModelScorer(reward_checkpoint, batch_size=3)
+    single = RewardModelScorer(reward_checkpoint, batch_size=1)
+    prompts, completions = PROMPTS * 2, COMPLETIONS + COMPLETIONS[::-1]  # 8 texts, lengths mixed
+    one_by_one = [single([p], [c])[0] for p, c in zip(prompts, completions)]
+    scores = batched(prompts, completions)
+    assert len(scores) == 8 and all(isinstance(s, float) for s in scores)
+    assert max(scores) - min(scores) > 0.1, "texts should get different rewards"
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(one_by_one), atol=1e-5, rtol=1e-5)
+    assert batched([], []) == []
+
+
+def test_trl_signature_and_name(reward_checkpoint):
+    scorer = RewardModelScorer(reward_checkpoint)
+    assert scorer.__name__ == "my-rm"
+    # Extra dataset columns arrive as keyword arguments, as in TRL's GRPOTrainer.
+    assert scorer(PROMPTS[:2], COMPLETIONS[:2], answer=["4", "blue"], trainer_state=None) == scorer(PROMPTS[:2],
+                                                                                                    COMPLETIONS[:2])
+    with pytest.raises(ValueError):
+        scorer(PROMPTS[:2], COMPLETIONS[:1])
+
+
+def test_chat_is_rendered_with_the_reward_models_template(reward_checkpoint):
+    scorer = RewardModelScorer(reward_checkpoint)
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    completion = [{"role": "assistant", "content": "Blue."}]
+    conversation = render_chat(scorer.tokenizer, prompt + completion)
+    assert conversation.endswith("<|im_start|>assistant\nBlue.<|im_end|>\n")
+    # Chat templates close each turn with eos: no second one is added.
+    assert scorer.texts([prompt], [completion]) == [conversation]
+    # A text prompt before a chat completion is the user's turn; a text completion after chat messages
+    # is the assistant's.
+    assert scorer.texts(["Name a colour."], [completion]) == [
+        render_chat(scorer.tokenizer, [{"role": "user", "content": "Name a colour."}] + completion)]
+    assert scorer.texts([prompt], ["Blue."]) == [conversation]
+    # And the score is the score of that rendered conversation.
+    assert scorer([prompt], [completion]) == scorer.score_texts([conversation])
+    assert scorer([prompt], [completion]) != scorer.score_texts([plain_chat(prompt + completion)])
+
+
+def test_text_pairs_are_joined_and_closed_with_eos(reward_checkpoint):
+    scorer = RewardModelScorer(reward_checkpoint)
+    assert scorer.texts(["Q:"], [" A"]) == ["Q: A<|im_end|>"]
+
+
+def test_chat_without_a_template_falls_back_to_plain_text(reward_checkpoint):
+    scorer = RewardModelScorer(reward_checkpoint)
+    scorer.tokenizer.chat_template = None  # as for BERT-style encoders
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert scorer.texts([messages[:1]], [messages[1:]]) == ["\n\nUser: Hi\n\nAssistant: Hello<|im_end|>"]
+
+
+def test_long_texts_keep_their_end(reward_checkpoint):
+    """The RM stage saves truncation_side=left for keep_end; a scorer honours the saved side."""
+    scorer = RewardModelScorer(reward_checkpoint, max_length=8)
+    scorer.tokenizer.truncation_side = "left"
+    long_prompt = "apple river stone cloud green music paper light table window garden " * 3
+    a, b = scorer([long_prompt, "x"], [" yes", " no"])[0], scorer(["y " + long_prompt], [" yes"])[0]
+    assert a == pytest.approx(b, abs=1e-6)  # only the last 8 tokens count
+    assert a != pytest.approx(scorer([long_prompt], [" no"])[0], abs=1e-3)

@@ -1,0 +1,394 @@
+"""Group relative policy optimisation (GRPO), as TRL's GRPOTrainer defines it.
+
+One generation cycle:
+
+    generate  G completions for each of B prompts (rollout engine: hf | vllm | vllm-server)
+    score     every reward function -> [B*G, F]; weighted sum -> [B*G]
+    advantage normalise within each group of G (`scale_rewards`); zero-variance groups give 0
+    reference trainer log-probs before the update (num_iterations > 1), reference model (beta > 0)
+    update    `num_iterations` optimizer steps over the cycle's completions, each accumulating
+              micro-batches of `per_device_batch_size` completions; clipped per-token ratio,
+              optional k3 KL, aggregation by `loss_type`
+    sync      push the new weights to the rollout engine
+
+Formulas live in `trainer/losses.py` (Shao et al. 2024 for GRPO, Yu et al. 2025 for DAPO's
+token-level loss and epsilon_high, Liu et al. 2025 for Dr. GRPO). Departures from TRL: the
+LM head runs only at completion positions, and the rollout engine's log-probs feed a truncated
+importance-sampling correction for the engine/trainer mismatch (Yao et al. 2025) by default.
+
+As in TRL, `per_device_batch_size` counts completions, and a cycle generates
+`per_device_batch_size * gradient_accumulation_steps` completions (that many / G prompts).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import ConfigError, TrainConfig, _f
+from trainer.data import DataError, dataset_fingerprint, is_conversational, load_rows, render_chat
+from trainer.logprobs import entropy, selective_log_softmax, target_logits, to_padded
+from trainer.loop import (
+    MetricWindow,
+    Progress,
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    set_seed,
+    step_batches,
+)
+from trainer.losses import combine_rewards, group_advantages, policy_loss, rollout_is_weights
+from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
+from trainer.rewards import load_reward_function, reward_name, score_completions
+from trainer.rollout import SamplingConfig, make_engine
+from trainer.storage import fetch_to_local, is_remote
+from trainer.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    """Group relative policy optimisation with rule, Python or reward-model rewards."""
+
+    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
+    per_device_batch_size: int = _f(8, "Completions per forward/backward pass (as TRL counts it).")
+    max_steps: int = _f(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
+    logging_steps: int = _f(1, "Log metrics every this many steps.")
+    reward_funcs: list[str] = _f(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
+                                 "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
+                                 "signature, or reward-model checkpoints.")
+    reward_weights: list[float] = _f([], "One weight per reward function (default: all 1.0).")
+    num_generations: int = _f(8, "Completions per prompt (G); advantages are normalised within each group.")
+    max_prompt_length: int = _f(512, "Prompts longer than this many tokens keep their END (left truncation).")
+    max_completion_length: int = _f(256, "Most tokens generated per completion.")
+    temperature: float = _f(1.0, "Sampling temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling probability mass.")
+    top_k: int = _f(-1, "Sample from the top k tokens only (-1 = off).")
+    beta: float = _f(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
+                          "model, TRL's default). https://arxiv.org/abs/2402.03300")
+    epsilon: float = _f(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
+    epsilon_high: float | None = _f(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
+                                          "https://arxiv.org/abs/2503.14476")
+    num_iterations: int = _f(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+        "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
+                "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
+    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = _f(
+        "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: a vLLM server child process.")
+    vllm_gpu_memory_utilization: float = _f(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
+    vllm_server_devices: str | None = _f(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
+    importance_sampling_correction: bool = _f(True, "Weight the loss by the truncated ratio of trainer to "
+                                                     "rollout-engine probabilities (engine log-probs kept).")
+    importance_sampling_cap: float = _f(3.0, "Cap of that importance ratio (token level).")
+    log_completions_steps: int = _f(10, "Log a table of sample prompts, completions and rewards every this many steps.")
+    num_completions_to_log: int = _f(8, "Rows in that table.")
+
+    stage = "grpo"
+
+    def validate(self) -> None:
+        super().validate()
+        total = self.per_device_batch_size * self.gradient_accumulation_steps
+        if self.num_generations < 2:
+            raise ConfigError(f"`num_generations` must be >= 2 to form groups, got {self.num_generations}.")
+        if total % self.num_generations:
+            raise ConfigError(f"per_device_batch_size x gradient_accumulation_steps = {total} must be divisible by "
+                              f"num_generations = {self.num_generations}; change one of them.")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"`reward_weights` has {len(self.reward_weights)} entries for "
+                              f"{len(self.reward_funcs)} `reward_funcs`; give one weight per function.")
+        if not self.reward_funcs:
+            raise ConfigError("`reward_funcs` is empty; give at least one reward function.")
+        if self.num_iterations < 1:
+            raise ConfigError(f"`num_iterations` must be >= 1, got {self.num_iterations}.")
+        if self.max_completion_length < 1 or self.max_prompt_length < 1:
+            raise ConfigError("`max_completion_length` and `max_prompt_length` must be >= 1.")
+
+    @property
+    def prompts_per_cycle(self) -> int:
+        return self.per_device_batch_size * self.gradient_accumulation_steps // self.num_generations
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and rollouts
+
+
+def prompt_token_ids(prompt, tokenizer, max_prompt_length: int) -> list[int]:
+    """Tokenize a text or chat prompt and keep its last `max_prompt_length` tokens (left truncation)."""
+    if is_conversational(prompt):
+        text = render_chat(tokenizer, prompt, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    return ids[-max_prompt_length:]
+
+
+@dataclass
+class RolloutBatch:
+    """One cycle's completions, grouped: rows g*G .. g*G+G-1 share prompt g."""
+
+    input_ids: torch.Tensor  # [N, P+C] prompt left-padded, completion right-padded
+    attention_mask: torch.Tensor  # [N, P+C]
+    completion_mask: torch.Tensor  # [N, P+C] 1 on completion tokens up to and including eos
+    rollout_logps: torch.Tensor  # [N, P+C] engine log-probs at completion tokens (0 elsewhere)
+    completion_lengths: torch.Tensor  # [N]
+    truncated: torch.Tensor  # [N] bool, hit max_completion_length without eos
+
+
+def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> RolloutBatch:
+    rows = [(p, c) for p, group in zip(prompt_ids, completions) for c in group]
+    p_width = max(len(p) for p, _ in rows)
+    c_width = max(max(len(c.token_ids) for _, c in rows), 1)
+    n = len(rows)
+    input_ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros_like(input_ids)
+    rollout_logps = torch.zeros(input_ids.shape)
+    lengths = torch.zeros(n, dtype=torch.long)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        start = p_width - len(p)
+        input_ids[i, start:p_width] = torch.tensor(p)
+        attention[i, start:p_width] = 1
+        k = len(c.token_ids)
+        if k:
+            input_ids[i, p_width:p_width + k] = torch.tensor(c.token_ids)
+            attention[i, p_width:p_width + k] = 1
+            completion_mask[i, p_width:p_width + k] = 1
+            rollout_logps[i, p_width:p_width + k] = torch.tensor(c.logprobs, dtype=torch.float)
+        lengths[i] = k
+        truncated[i] = c.finish_reason == "length"
+    return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated)
+
+
+def token_logps(model, input_ids, attention_mask, completion_mask, with_entropy: bool = False):
+    """Per-token log-probs of completion tokens as [N, T] (zeros elsewhere), and their mean entropy."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
+    out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
+    logps = to_padded(selective_log_softmax(out.logits, out.targets), out.rows, out.cols, input_ids.shape)
+    ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
+    return logps, ent
+
+
+@torch.no_grad()
+def batched_logps(model, batch: RolloutBatch, size: int) -> torch.Tensor:
+    parts = [token_logps(model, batch.input_ids[i:i + size], batch.attention_mask[i:i + size],
+                         batch.completion_mask[i:i + size])[0] for i in range(0, len(batch.input_ids), size)]
+    return torch.cat(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+
+
+def run_grpo(config: GRPOConfig) -> str:
+    """Train with GRPO; returns `config.output_dir` (holding the final model)."""
+    set_seed(config.seed)
+    started = time.perf_counter()
+
+    # 1. Prompts and reward functions, validated before any model is loaded.
+    model_path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    rows = load_rows(config.dataset, config.dataset_split)
+    if "prompt" not in rows.column_names:
+        raise DataError(f"Dataset {config.dataset!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` "
+                        "column (text or chat messages) plus any columns the reward functions read.")
+    funcs = [load_reward_function(spec) for spec in config.reward_funcs]
+    names = [reward_name(f) for f in funcs]
+    weights = torch.tensor(config.reward_weights or [1.0] * len(funcs))
+    prompts_all = rows["prompt"]
+    extra_columns = [c for c in rows.column_names if c != "prompt"]
+    encoded = [prompt_token_ids(p, tokenizer, config.max_prompt_length) for p in prompts_all]
+    num_cycles = (config.max_steps if config.max_steps > 0 else
+                  int(config.num_epochs * len(rows) / config.prompts_per_cycle)) // config.num_iterations
+    steps = max(1, num_cycles) * config.num_iterations
+    log.info("GRPO: %d prompts, %d per cycle x G=%d, %d optimizer steps, %s rollouts, rewards %s.",
+             len(rows), config.prompts_per_cycle, config.num_generations, steps, config.rollout_engine, names)
+
+    # 2. Policy, reference, optimizer; restored when resuming.
+    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
+    if resume and is_remote(resume):
+        resume = fetch_to_local(resume)
+    model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
+                           config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
+    if config.lora_r and not resume:
+        model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+    ref_model = None
+    if config.beta > 0 and not config.lora_r:
+        ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
+    model.train()
+    trainable, total = count_parameters(model)
+    log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config, steps)
+    state = ckpt.load_training_state(resume, optimizer, scheduler) if resume else ckpt.TrainState()
+    tracker = Tracker(config, "grpo", run_id=state.mlflow_run_id)
+    if resume:
+        tracker.history[:] = ckpt.read_history(resume)
+    state.mlflow_run_id = tracker.run_id
+    datasets_info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows), "rows": len(rows)}}
+
+    engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
+                         max_model_len=config.max_prompt_length + config.max_completion_length, dtype=config.dtype,
+                         seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                         server_devices=config.vllm_server_devices)
+    sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                              top_p=config.top_p, top_k=config.top_k, n=config.num_generations,
+                              stop_token_ids=[tokenizer.eos_token_id])
+    pad_id = tokenizer.pad_token_id
+    G, size = config.num_generations, config.per_device_batch_size
+    window = MetricWindow()
+    last_metrics: dict[str, float] = {}
+
+    def manifest(metrics: dict[str, float]) -> dict:
+        return ckpt.build_manifest("grpo", config, config.model, datasets_info, metrics, state.global_step)
+
+    def push_weights() -> None:
+        if config.rollout_engine == "hf":
+            return  # the hf engine generates with the training model itself
+        if config.lora_r:
+            merged = copy.deepcopy(model).merge_and_unload()
+            engine.sync_weights(merged.state_dict().items())
+        else:
+            engine.sync_weights(model.state_dict().items())
+
+    progress = Progress(steps, state.global_step, "grpo", config.disable_progress_bar)
+    try:
+        while state.global_step < steps:
+            cycle = state.global_step // config.num_iterations
+            timings: dict[str, float] = {}
+            t0 = time.perf_counter()
+
+            # generate
+            (picked,) = step_batches(len(rows), config.prompts_per_cycle, 1, config.seed, cycle + 1)
+            sampling.seed = config.seed + cycle
+            completions = engine.generate([encoded[i] for i in picked], sampling)
+            batch = build_batch([encoded[i] for i in picked], completions, pad_id)
+            timings["timing/generate"] = time.perf_counter() - t0
+
+            # score
+            t = time.perf_counter()
+            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
+            prompts = [prompts_all[i] for i in picked for _ in range(G)]
+            shaped = ([[{"role": "assistant", "content": x}] for x in texts]
+                      if is_conversational(prompts[0]) else texts)
+            columns = {c: [rows[i][c] for i in picked for _ in range(G)] for c in extra_columns}
+            per_func = score_completions(funcs, prompts, shaped, columns)  # [N, F]
+            rewards = combine_rewards(per_func, weights)  # [N]
+            advantages, adv_stats = group_advantages(rewards, G, config.scale_rewards)  # [N]
+            timings["timing/score"] = time.perf_counter() - t
+
+            # reference and old log-probs
+            t = time.perf_counter()
+            loss_mask = batch.completion_mask.clone()
+            if config.mask_truncated_completions:
+                loss_mask[batch.truncated] = 0
+            old_logps = batched_logps(model, batch, size) if config.num_iterations > 1 else None
+            ref_logps = None
+            if config.beta > 0:
+                if ref_model is not None:
+                    ref_logps = batched_logps(ref_model, batch, size)
+                else:
+                    with model.disable_adapter():
+                        ref_logps = batched_logps(model, batch, size)
+            timings["timing/reference"] = time.perf_counter() - t
+
+            # update: num_iterations optimizer steps over the cycle
+            t = time.perf_counter()
+            cycle_tokens = float(loss_mask.sum())
+            micro_batches = range(0, len(batch.input_ids), size)
+            accum = len(micro_batches)
+            for _ in range(config.num_iterations):
+                step_stats, step_loss = MetricWindow(), 0.0
+                for start in micro_batches:
+                    sl = slice(start, start + size)
+                    logps, ent = token_logps(model, batch.input_ids[sl], batch.attention_mask[sl],
+                                             batch.completion_mask[sl], with_entropy=True)
+                    mask = loss_mask[sl]
+                    behaviour = old_logps[sl] if old_logps is not None else logps.detach()
+                    is_weights, is_stats = None, {}
+                    if config.importance_sampling_correction and config.rollout_engine != "hf":
+                        is_weights, is_stats = rollout_is_weights(behaviour, batch.rollout_logps[sl], mask,
+                                                                  mode="token_truncate",
+                                                                  clip_max=config.importance_sampling_cap)
+                    loss, stats = policy_loss(
+                        logps, old_logps[sl] if old_logps is not None else None, advantages[sl], mask,
+                        loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+                        ref_logps=ref_logps[sl] if ref_logps is not None else None, beta=config.beta,
+                        max_completion_length=config.max_completion_length, num_items_in_batch=cycle_tokens,
+                        is_weights=is_weights)
+                    # dapo already divides by the whole cycle's tokens; the others average micro-batches.
+                    contribution = loss if config.loss_type == "dapo" else loss / accum
+                    contribution.backward()
+                    step_loss += float(contribution.detach())
+                    step_stats.add({**({"entropy": ent} if ent is not None else {}),
+                                    **{k: float(v) for k, v in {**stats, **is_stats}.items() if v.ndim == 0}})
+                grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
+                state.global_step += 1
+                window.add({**step_stats.pop(), "loss": step_loss, "grad_norm": grad_norm})
+            timings["timing/update"] = time.perf_counter() - t
+
+            # sync
+            t = time.perf_counter()
+            push_weights()
+            timings["timing/sync"] = time.perf_counter() - t
+            state.num_tokens += int(batch.attention_mask.sum())
+
+            step = state.global_step
+            lengths = batch.completion_lengths.float()
+            window.add({
+                "reward": float(adv_stats["reward"]), "reward_std": float(adv_stats["reward_std"]),
+                "frac_reward_zero_std": float(adv_stats["frac_reward_zero_std"]),
+                **{f"rewards/{n}/mean": float(torch.nanmean(per_func[:, j])) for j, n in enumerate(names)},
+                **{f"rewards/{n}/std": float(_nanstd(per_func[:, j])) for j, n in enumerate(names)},
+                "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                "completions/max_length": float(lengths.max()),
+                "completions/clipped_ratio": float(batch.truncated.float().mean()),
+                "step_time": time.perf_counter() - t0, **timings,
+            })
+            if step % config.logging_steps < config.num_iterations or step >= steps:
+                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
+                          "num_tokens": float(state.num_tokens)}
+                tracker.log_metrics(logged, step)
+                last_metrics = logged
+                progress.update(step, logged)
+            else:
+                progress.update(step)
+            if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
+                k = min(config.num_completions_to_log, len(texts))
+                tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in prompts[:k]],
+                                   "completion": texts[:k], "reward": rewards[:k].tolist()},
+                                  f"completions/step_{step:06d}.json")
+            if config.save_steps and step % config.save_steps < config.num_iterations and step < steps:
+                ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, model=model,
+                                          tokenizer=tokenizer, manifest=manifest(last_metrics),
+                                          history=tracker.history, state=state, optimizer=optimizer,
+                                          scheduler=scheduler, merge_lora=config.lora_merge_on_save)
+        progress.close()
+        last_metrics["train_runtime"] = time.perf_counter() - started
+        ckpt.save_checkpoint(config.output_dir, model=model, tokenizer=tokenizer, manifest=manifest(last_metrics),
+                             history=tracker.history, merge_lora=config.lora_merge_on_save)
+        tracker.log_dict(manifest(last_metrics), ckpt.MANIFEST)
+        tracker.finish()
+    except BaseException:
+        progress.close()
+        tracker.finish("FAILED")
+        raise
+    finally:
+        engine.close()
+    log.info("GRPO done in %.1fs; model saved to %s", time.perf_counter() - started, config.output_dir)
+    return config.output_dir
+
+
+def _nanstd(x: torch.Tensor) -> torch.Tensor:
+    valid = x[~torch.isnan(x)]
+    return valid.std() if valid.numel() > 1 else x.new_zeros(())

@@ -1,0 +1,364 @@
+"""Gated promotion in the MLflow model registry: register a checkpoint, move `@champion` only when it wins.
+
+One registered model per product line (e.g. ``alignflow-policy``); each promotion attempt adds a
+version whose source is ``runs:/<run>/checkpoint`` (the checkpoint folder's files, logged as
+artifacts of a run) and whose tags carry its metrics, dataset fingerprints and base model. Two
+aliases (MLflow's replacement for the deprecated stages) mark the state:
+
+    champion            the version serving / the baseline of the next evaluation
+    previous-champion   the champion it replaced; `rollback` swaps the two back
+
+The gate: the candidate's ``metrics[gate_metric]`` must beat the champion's stored value of the
+same metric (the ``alignflow.metric.<name>`` tag written when the champion was registered) by
+more than ``min_improvement`` (in the better direction). A candidate that loses is still
+registered, tagged with the decision, so every evaluated model stays in the registry's history.
+The first version of a model always becomes champion.
+
+Every call takes an explicit tracking URI (else ``MLFLOW_TRACKING_URI``) and an http(s) server is
+checked with a short ``/health`` probe before anything is written, so an unreachable server is a
+clear error in seconds rather than minutes of MLflow's client retries. Registry versions come
+back as strings through a server and as ints from an embedded sqlite store: this module returns
+strings everywhere. Two promotions of the same model at the same moment can race on the aliases
+(MLflow has no compare-and-set); pipelines run one promote step at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer import checkpoint as ckpt
+from trainer.models import resolve_model_path
+from trainer.tracking import _cap_mlflow_http_retries, _server_answers, _sqlite_artifact_location
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+PREVIOUS_CHAMPION = "previous-champion"
+CHECKPOINT_ARTIFACT = "checkpoint"  # artifact folder of the run holding the checkpoint's files
+METRIC_TAG = "alignflow.metric."  # version tag prefix: one tag per metric
+_SKIPPED_DIRS = (ckpt.STATE_DIR,)  # optimizer states are not part of a served model
+
+
+class RegistryError(RuntimeError):
+    """Promotion cannot go ahead; the message names the URI, model or metric and the fix."""
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    """What `promote` (or `rollback`) did. Versions are strings; None where there is no champion."""
+
+    version: str  # the version registered (for rollback: the version that is champion now)
+    promoted: bool  # whether `@champion` moved to `version`
+    reason: str  # the gate's verdict in words (metric values and threshold)
+    champion_before: str | None
+    champion_after: str | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Connection
+
+
+def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise RegistryError("No MLflow tracking URI: set MLFLOW_TRACKING_URI (e.g. http://mlflow:5000, or "
+                            "sqlite:///mlflow.db for an embedded registry) or pass --tracking-uri.")
+    return uri
+
+
+def connect(tracking_uri: str | None = None):
+    """An `MlflowClient` for the registry at `tracking_uri`, after checking that an http(s) server answers."""
+    from mlflow import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri)
+    _cap_mlflow_http_retries()
+    if uri.startswith(("http://", "https://")) and (why := _server_answers(uri)) is not None:
+        raise RegistryError(f"The MLflow tracking server at {uri} cannot be reached ({why}); nothing was "
+                            "registered. Start the server, or set MLFLOW_TRACKING_URI (or --tracking-uri) to one "
+                            "that answers /health.")
+    _sqlite_artifact_location(uri)  # creates the folder of an embedded sqlite store
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _aliases(client, model_name: str) -> dict[str, str]:
+    """The model's aliases as {alias: version}; {} when the model is not registered yet."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        model = client.get_registered_model(model_name)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return {}
+        raise
+    return {alias: str(version) for alias, version in model.aliases.items()}
+
+
+def _ensure_registered_model(client, model_name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(model_name, tags={"alignflow.managed": "true"})
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+# ----------------------------------------------------------------------------------------------
+# Registering
+
+
+def _local_checkpoint(checkpoint_dir: str) -> Path:
+    """A complete local checkpoint folder (s3:// prefixes are downloaded), or a RegistryError."""
+    try:
+        local = Path(resolve_model_path(checkpoint_dir))
+    except (ValueError, OSError) as err:
+        raise RegistryError(f"Cannot register {checkpoint_dir!r}: {err}") from err
+    if not local.is_dir():
+        raise RegistryError(f"Checkpoint folder {checkpoint_dir!r} does not exist.")
+    return local
+
+
+def metric_tags(metrics: dict[str, float]) -> dict[str, str]:
+    return {f"{METRIC_TAG}{name}": repr(float(value)) for name, value in metrics.items()}
+
+
+def manifest_tags(manifest: dict[str, Any]) -> dict[str, str]:
+    """Lineage from a checkpoint's alignflow.json: stage, base model, git sha, dataset fingerprints."""
+    tags = {f"alignflow.{key}": str(manifest[key]) for key in ("stage", "base_model", "git_sha")
+            if manifest.get(key)}
+    for split, info in (manifest.get("datasets") or {}).items():
+        for key in ("path", "fingerprint", "rows"):
+            if isinstance(info, dict) and info.get(key) not in (None, ""):
+                tags[f"alignflow.dataset.{split}.{key}"] = str(info[key])
+    return tags
+
+
+def _experiment_id(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=_sqlite_artifact_location(client.tracking_uri))
+    except MlflowException:  # created by a parallel step in the meantime
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _log_checkpoint_files(client, run_id: str, local: Path) -> None:
+    for path in sorted(local.rglob("*")):
+        rel = path.relative_to(local)
+        if path.is_file() and rel.parts[0] not in _SKIPPED_DIRS:
+            parent = rel.parent.as_posix()
+            client.log_artifact(run_id, str(path), CHECKPOINT_ARTIFACT + ("" if parent == "." else f"/{parent}"))
+
+
+def _read_logged_manifest(client, run_id: str) -> dict[str, Any]:
+    names = {Path(a.path).name for a in client.list_artifacts(run_id, CHECKPOINT_ARTIFACT)}
+    if "config.json" not in names and "adapter_config.json" not in names:
+        raise RegistryError(f"Run {run_id} has no checkpoint in its `{CHECKPOINT_ARTIFACT}/` artifacts (no "
+                            "config.json). Train with --mlflow_log_checkpoint true, or pass --checkpoint DIR.")
+    if ckpt.MANIFEST not in names:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        return ckpt.read_json(client.download_artifacts(run_id, f"{CHECKPOINT_ARTIFACT}/{ckpt.MANIFEST}", tmp))
+
+
+def register_checkpoint(model_name: str, checkpoint_dir: str | None, metrics: dict[str, float],
+                        tags: dict[str, str] | None = None, run_id: str | None = None,
+                        tracking_uri: str | None = None, experiment: str = "alignflow") -> str:
+    """Register a checkpoint as a new version of `model_name`; returns the version (a string).
+
+    checkpoint_dir: a complete checkpoint folder or s3:// prefix. Its files (minus training_state/)
+        are logged as artifacts ``checkpoint/`` of `run_id`, or of a new "promote" run in `experiment`
+        (a child of MLFLOW_PARENT_RUN_ID when set). None: `run_id`'s ``checkpoint/`` artifacts are
+        registered as they are (a stage run with ``mlflow_log_checkpoint``).
+    metrics: stored as version tags ``alignflow.metric.<name>`` (the gate reads them back) and logged
+        to a newly created run.
+    tags: extra version tags; lineage tags (stage, base model, dataset fingerprints from the manifest,
+        source and pipeline run ids) are added.
+    """
+    if checkpoint_dir is None and run_id is None:
+        raise RegistryError("Give a checkpoint folder, or the id of a run whose artifacts hold one.")
+    client = connect(tracking_uri)
+    local = _local_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    return _register(client, model_name, local, metrics, tags, run_id, experiment)
+
+
+def _register(client, model_name: str, local: Path | None, metrics: dict[str, float], tags: dict[str, str] | None,
+              run_id: str | None, experiment: str) -> str:
+    parent = os.environ.get("MLFLOW_PARENT_RUN_ID") or None
+    if run_id is None:
+        from mlflow.entities import Metric
+
+        run_tags = {"alignflow.stage": "promote", "alignflow.registered_model": model_name}
+        if parent:
+            run_tags["mlflow.parentRunId"] = parent
+        experiment_id = client.get_run(parent).info.experiment_id if parent else _experiment_id(client, experiment)
+        run_id = client.create_run(experiment_id, tags=run_tags, run_name=f"promote-{model_name}").info.run_id
+        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        if finite:
+            client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in finite.items()], synchronous=True)
+        created = True
+    else:
+        parent = client.get_run(run_id).data.tags.get("mlflow.parentRunId") or parent
+        created = False
+    try:
+        if local is not None:
+            _log_checkpoint_files(client, run_id, local)
+            manifest_path = local / ckpt.MANIFEST
+            manifest = ckpt.read_json(str(manifest_path)) if manifest_path.exists() else {}
+        else:
+            manifest = _read_logged_manifest(client, run_id)
+        version_tags = {**manifest_tags(manifest), **metric_tags(metrics), "alignflow.source_run_id": run_id}
+        if parent:
+            version_tags["alignflow.pipeline_run_id"] = parent
+        version_tags.update(tags or {})
+        _ensure_registered_model(client, model_name)
+        version = client.create_model_version(model_name, f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}", run_id=run_id,
+                                              tags=version_tags).version
+    except BaseException:
+        if created:
+            client.set_terminated(run_id, "FAILED")
+        raise
+    if created:
+        client.set_terminated(run_id, "FINISHED")
+    log.info("Registered %s version %s from run %s.", model_name, version, run_id)
+    return str(version)
+
+
+# ----------------------------------------------------------------------------------------------
+# The gate
+
+
+def _stored_metric(client, model_name: str, version: str, metric: str) -> float | None:
+    value = client.get_model_version(model_name, version).tags.get(METRIC_TAG + metric)
+    return float(value) if value is not None else None
+
+
+def gate(candidate: float, champion: float | None, metric: str, min_improvement: float,
+         higher_is_better: bool) -> tuple[bool, str]:
+    """Whether `candidate` beats `champion` by more than `min_improvement`, and why (in words)."""
+    if champion is None:
+        return True, f"no champion yet: {metric}={candidate:.6g} becomes the first champion"
+    improvement = candidate - champion if higher_is_better else champion - candidate
+    direction = "higher" if higher_is_better else "lower"
+    verdict = "passes" if improvement > min_improvement else "fails"
+    return improvement > min_improvement, (
+        f"gate {verdict}: {metric}={candidate:.6g} vs champion {champion:.6g} ({direction} is better; "
+        f"improvement {improvement:+.6g} must exceed min_improvement={min_improvement:g})")
+
+
+def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, float], gate_metric: str = "reward",
+            min_improvement: float = 0.0, higher_is_better: bool = True, tags: dict[str, str] | None = None,
+            tracking_uri: str | None = None, run_id: str | None = None, force: bool = False,
+            experiment: str = "alignflow") -> PromotionResult:
+    """Register `checkpoint_dir` as a new version and make it `@champion` if it beats the current one.
+
+    The gate compares ``metrics[gate_metric]`` with the champion's stored value (see module doc);
+    the replaced champion gets the alias ``previous-champion``. `force` skips the gate (e.g. when
+    the champion has no stored value of a newly chosen gate metric). Everything that can be checked
+    (server, metric, checkpoint folder) is checked before anything is written.
+    """
+    if gate_metric not in metrics:
+        raise RegistryError(f"Gate metric `{gate_metric}` is not among the candidate's metrics "
+                            f"({', '.join(sorted(metrics)) or 'none'}); pick one with --gate-metric.")
+    candidate = float(metrics[gate_metric])
+    if not math.isfinite(candidate):
+        raise RegistryError(f"Gate metric `{gate_metric}` is {candidate}; the evaluation produced no usable value.")
+    if checkpoint_dir is None and run_id is None:
+        raise RegistryError("Give a checkpoint folder, or the id of a run whose artifacts hold one.")
+    client = connect(tracking_uri)
+    local = _local_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+
+    before = _aliases(client, model_name).get(CHAMPION)
+    champion_value = _stored_metric(client, model_name, before, gate_metric) if before else None
+    if force:
+        passed, reason = True, f"forced: {gate_metric}={candidate:.6g}, gate skipped"
+    elif before is not None and champion_value is None:
+        passed, reason = False, (f"gate cannot compare: champion version {before} has no stored `{gate_metric}`; "
+                                 "re-evaluate it, pick another --gate-metric, or promote with --force")
+    else:
+        passed, reason = gate(candidate, champion_value, gate_metric, min_improvement, higher_is_better)
+
+    decision = {"alignflow.promotion.gate_metric": gate_metric, "alignflow.promotion.reason": reason[:5000],
+                "alignflow.promotion.promoted": str(passed).lower()}
+    version = _register(client, model_name, local, metrics, {**(tags or {}), **decision}, run_id, experiment)
+    after = before
+    if passed:
+        if before is not None and before != version:
+            client.set_registered_model_alias(model_name, PREVIOUS_CHAMPION, before)
+        client.set_registered_model_alias(model_name, CHAMPION, version)
+        after = version
+    log.info("%s v%s: %s; champion %s -> %s.", model_name, version, reason, before, after)
+    return PromotionResult(version, passed, reason, before, after)
+
+
+def rollback(model_name: str, tracking_uri: str | None = None) -> PromotionResult:
+    """Swap `@champion` and `@previous-champion` (a second rollback undoes the first)."""
+    client = connect(tracking_uri)
+    aliases = _aliases(client, model_name)
+    current, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS_CHAMPION)
+    if current is None or previous is None:
+        raise RegistryError(f"Cannot roll back {model_name!r}: it needs both @{CHAMPION} and @{PREVIOUS_CHAMPION} "
+                            f"aliases, and has {aliases or 'none'}.")
+    client.set_registered_model_alias(model_name, CHAMPION, previous)
+    client.set_registered_model_alias(model_name, PREVIOUS_CHAMPION, current)
+    reason = f"rolled back: champion {current} -> {previous} ({current} is now {PREVIOUS_CHAMPION})"
+    log.info("%s: %s.", model_name, reason)
+    return PromotionResult(previous, True, reason, current, previous)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def run_metrics(run_id: str, tracking_uri: str | None = None) -> dict[str, float]:
+    """The latest value of each metric of a run (the candidate's metrics for ``promote --run``)."""
+    return dict(connect(tracking_uri).get_run(run_id).data.metrics)
+
+
+def champion_uri(model_name: str, tracking_uri: str | None = None) -> str | None:
+    """``models:/<name>@champion`` when the model has a champion, else None (the first pipeline run)."""
+    client = connect(tracking_uri)
+    return f"models:/{model_name}@{CHAMPION}" if CHAMPION in _aliases(client, model_name) else None
+
+
+def download_model(model_uri: str, dest: str, tracking_uri: str | None = None) -> str:
+    """Download ``models:/<name>@<alias>`` or ``models:/<name>/<version>`` into `dest`; returns the model folder."""
+    from mlflow.exceptions import MlflowException
+
+    if not model_uri.startswith("models:/"):
+        raise RegistryError(f"{model_uri!r} is not a models:/<name>@<alias> or models:/<name>/<version> URI.")
+    client = connect(tracking_uri)
+    ref = model_uri[len("models:/"):]
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = ref.rpartition("/")
+            version = client.get_model_version(name, number)
+    except MlflowException as err:
+        raise RegistryError(f"{model_uri} is not in the registry at {client.tracking_uri}: {err.message}") from err
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    source = version.source
+    if source.startswith("runs:/"):
+        run_id, _, path = source[len("runs:/"):].partition("/")
+        return client.download_artifacts(run_id, path or CHECKPOINT_ARTIFACT, dest)
+    import mlflow.artifacts
+
+    return mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dest, tracking_uri=client.tracking_uri)
+
+
+def download_champion(model_name: str, dest: str, tracking_uri: str | None = None) -> str | None:
+    """Download the current champion's checkpoint into `dest`; None when there is no champion."""
+    if champion_uri(model_name, tracking_uri) is None:
+        return None
+    return download_model(f"models:/{model_name}@{CHAMPION}", dest, tracking_uri)

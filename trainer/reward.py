@@ -1,0 +1,404 @@
+"""Reward model (RM): a scalar head trained with the Bradley–Terry loss on preference pairs.
+
+The model is any causal LM or encoder loaded with `AutoModelForSequenceClassification`
+(num_labels=1): a linear head on the last hidden states gives one reward per sequence, read at
+the last non-pad token for causal LMs (hence `config.pad_token_id`) and at the pooled [CLS]
+token for BERT-style encoders. Each step scores the chosen and the rejected text of B pairs in
+one forward of 2B rows and lowers mean(−log σ(r_chosen − r_rejected − margin)), plus optionally
+the centring term c·mean((r_chosen + r_rejected)²) (`trainer.losses.bradley_terry_loss`, where
+the formula and its references live). The loss of one optimizer step is the mean over all its
+pairs (all accumulated micro-batches), so gradient accumulation gives the same update as one
+large batch.
+
+The text scored is prompt + reply, as in TRL's RewardTrainer, closed with the eos token when
+the model reads its reward at the last token (`reward_texts`). `trainer.rewards.RewardModelScorer`
+builds its inputs with the same function, so a checkpoint scores GRPO completions exactly as it
+was trained.
+
+Departures from TRL's RewardTrainer: pairs longer than `max_length` are truncated from the left
+by default (keeping both replies and the latest turns of the prompt; the saved tokenizer keeps
+that `truncation_side`), where TRL drops them (`truncation_mode=drop` does that here); chat and
+text data alike get the eos rule above (TRL adds eos to text data only, and fails on tokenizers
+without one, like BERT's).
+
+Read top to bottom: config, data, batches, the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import ConfigError, TrainConfig, _f
+from trainer.data import DataError, dataset_fingerprint, load_rows, report_lengths, split_eval
+from trainer.loop import (
+    MetricWindow,
+    Progress,
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    set_seed,
+    step_batches,
+    total_steps,
+)
+from trainer.losses import bradley_terry_loss
+from trainer.models import (
+    ModelError,
+    apply_lora,
+    count_parameters,
+    load_reward_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from trainer.preferences import PreferenceText, load_pairs
+from trainer.storage import fetch_to_local, is_remote
+from trainer.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardConfig(TrainConfig):
+    """Reward-model training on preference pairs (Bradley–Terry)."""
+
+    learning_rate: float = _f(1e-4, "Peak learning rate (AdamW); TRL's RewardConfig default.")
+    truncation_mode: Literal["keep_start", "keep_end", "drop"] = _f(
+        "keep_end", "Texts (prompt + reply) longer than `max_length`: `keep_end` cuts their start, so both replies "
+                    "and the latest prompt turns stay; `keep_start` cuts their end (and may cut away the replies' "
+                    "difference: such pairs are dropped); `drop` drops the pair, as TRL does. Counts are logged.")
+    center_rewards_coefficient: float | None = _f(
+        None, "Weight c of the reward-centring term c·mean((r_chosen + r_rejected)²), which keeps rewards near 0 "
+              "(Eisenstein et al. 2023, arXiv:2312.09244; TRL suggests 0.01). Unset = off.")
+    disable_dropout: bool = _f(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
+                                     "encoders ship with 0.1, so chosen and rejected would see different masks).")
+
+    stage = "reward"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            raise ConfigError(f"`center_rewards_coefficient` must be >= 0 (or unset), got "
+                              f"{self.center_rewards_coefficient}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def _closes_with_eos(tokenizer) -> bool:
+    """Whether reward texts must end with the eos token: a causal LM reads the reward at the last
+    token, and eos gives that position a fixed meaning ("the reply ends here"). Encoders' tokenizers
+    close the sequence themselves (BERT: [CLS] … [SEP]), and may have no eos at all. (Where pad == eos,
+    transformers takes a final eos for padding and reads the token before it, as in TRL.)"""
+    if tokenizer.eos_token is None:
+        return False
+    ids = tokenizer("x")["input_ids"]
+    return not ids or ids[-1] not in tokenizer.all_special_ids
+
+
+def reward_texts(tokenizer, prompts: list[str], replies: list[str]) -> list[str]:
+    """The texts a reward model scores: prompt + reply (+ eos, see `_closes_with_eos`). A reply that
+    already ends with eos (chat templates close each turn with it) gets no second one."""
+    eos = tokenizer.eos_token if _closes_with_eos(tokenizer) else None
+    texts = [p + r for p, r in zip(prompts, replies)]
+    return [t + eos if eos and not t.rstrip().endswith(eos) else t for t in texts]
+
+
+def tokenize_texts(tokenizer, texts: list[str], max_length: int,
+                   drop_long: bool) -> tuple[list[list[int] | None], list[bool]]:
+    """Token ids of each text with the tokenizer's special tokens, and whether it was longer than
+    `max_length`. Long texts are cut on the tokenizer's `truncation_side` (special tokens kept), or
+    are None with `drop_long`."""
+    ids: list[list[int] | None] = tokenizer(texts, verbose=False)["input_ids"]  # no "too long" warning: handled
+    long = [len(x) > max_length for x in ids]
+    where = [i for i, is_long in enumerate(long) if is_long]
+    if where and not drop_long:
+        cut = tokenizer([texts[i] for i in where], truncation=True, max_length=max_length)["input_ids"]
+        for i, x in zip(where, cut):
+            ids[i] = x
+    else:
+        for i in where:
+            ids[i] = None
+    return ids, long
+
+
+def read_margins(rows, indices: list[int], name: str) -> list[float] | None:
+    """The optional `margin` column (Llama 2's preference strength) for the pairs kept from `rows`."""
+    if "margin" not in rows.column_names:
+        return None
+    column = rows["margin"]
+    margins = []
+    for i in indices:
+        value = column[i]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise DataError(f"{name}: row {i}: `margin` must be a finite number, got {value!r}.")
+        margins.append(float(value))
+    return margins
+
+
+@dataclass
+class TokenizedPairs:
+    """Token ids of each kept pair's chosen and rejected text, and its margin."""
+
+    chosen_ids: list[list[int]]
+    rejected_ids: list[list[int]]
+    margins: list[float] | None
+
+    def __len__(self) -> int:
+        return len(self.chosen_ids)
+
+
+def tokenize_pairs(pairs: list[PreferenceText], margins: list[float] | None, tokenizer, name: str,
+                   max_length: int, truncation_mode: str) -> TokenizedPairs:
+    """Tokenize pairs, apply the length policy and drop pairs whose two texts became identical."""
+    prompts = [p.prompt for p in pairs]
+    drop = truncation_mode == "drop"
+    chosen, chosen_long = tokenize_texts(tokenizer, reward_texts(tokenizer, prompts, [p.chosen for p in pairs]),
+                                         max_length, drop)
+    rejected, rejected_long = tokenize_texts(
+        tokenizer, reward_texts(tokenizer, prompts, [p.rejected for p in pairs]), max_length, drop)
+    out = TokenizedPairs([], [], [] if margins is not None else None)
+    long = identical = 0
+    for i, (c, r) in enumerate(zip(chosen, rejected)):
+        long += chosen_long[i] or rejected_long[i]
+        if c is None or r is None:
+            continue
+        if c == r:  # truncation cut away the only difference
+            identical += 1
+            continue
+        out.chosen_ids.append(c)
+        out.rejected_ids.append(r)
+        if margins is not None:
+            out.margins.append(margins[i])
+    if identical:
+        log.warning("%s: dropped %d pairs whose chosen and rejected texts are identical after truncation to "
+                    "max_length=%d (truncation_mode=%s); use keep_end.", name, identical, max_length, truncation_mode)
+    report_lengths(name, len(pairs), max_length, truncation_mode, 0 if drop else long, long if drop else 0, 0,
+                   len(out))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class PairBatch:
+    """B pairs as one batch of 2B sequences: the chosen texts first, then the rejected ones."""
+
+    input_ids: torch.Tensor  # [2B, T] right-padded
+    attention_mask: torch.Tensor  # [2B, T]
+    margin: torch.Tensor | None  # [B]
+
+    @property
+    def num_pairs(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+
+def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask, [N, T] each."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, ids in enumerate(seqs):
+        input_ids[r, :len(ids)] = torch.tensor(ids)
+        attention[r, :len(ids)] = 1
+    return input_ids, attention
+
+
+def collate(data: TokenizedPairs, indices: list[int], pad_id: int) -> PairBatch:
+    seqs = [data.chosen_ids[i] for i in indices] + [data.rejected_ids[i] for i in indices]
+    input_ids, attention = pad_right(seqs, pad_id)
+    margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
+    return PairBatch(input_ids, attention, margin)
+
+
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """One scalar reward per row. [N, T] -> [N] (float32)"""
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+
+
+def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of the chosen and the rejected texts, [B] each, from one forward of 2B rows."""
+    chosen, rejected = sequence_rewards(model, batch.input_ids, batch.attention_mask).chunk(2)
+    return chosen, rejected
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenizedPairs, batch_size: int, pad_id: int,
+             center_rewards_coefficient: float | None) -> dict[str, float]:
+    """Loss and statistics over the whole eval set (not a mean of batch means)."""
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, len(data), batch_size):
+        c, r = pair_rewards(model, collate(data, list(range(start, min(start + batch_size, len(data)))), pad_id))
+        chosen.append(c)
+        rejected.append(r)
+    model.train()
+    margin = torch.tensor(data.margins) if data.margins is not None else None
+    loss, stats = bradley_terry_loss(torch.cat(chosen), torch.cat(rejected), margin, center_rewards_coefficient)
+    return {"eval_loss": float(loss), **{f"eval_{k}": float(v) for k, v in stats.items()}}
+
+
+def _score_head(model) -> str:
+    """Name of the freshly initialised head that LoRA must train in full (`modules_to_save`)."""
+    for name in ("score", "classifier"):  # causal LMs / encoders in transformers
+        if isinstance(getattr(model, name, None), torch.nn.Module):
+            return name
+    raise ModelError(f"{type(model).__name__} has neither a `score` nor a `classifier` head; LoRA cannot "
+                     "tell which module to train in full. Set `lora_r 0`.")
+
+
+def _disable_dropout(model) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+
+
+def run_reward(config: RewardConfig) -> str:
+    """Train, checkpoint and save a reward model; returns `config.output_dir` (holding it)."""
+    set_seed(config.seed)
+    started = time.perf_counter()
+
+    # 1. Data, validated before the model is loaded.
+    model_path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    # The saved tokenizer keeps the side, so scorers truncate as training did (save_pretrained
+    # writes only attributes listed in init_kwargs).
+    tokenizer.truncation_side = tokenizer.init_kwargs["truncation_side"] = (
+        "left" if config.truncation_mode == "keep_end" else "right")
+    rows = load_rows(config.dataset, config.dataset_split)
+    if config.eval_dataset:
+        eval_rows = load_rows(config.eval_dataset, config.dataset_split)
+    elif config.eval_split_ratio:
+        rows, eval_rows = split_eval(rows, config.eval_split_ratio, config.seed)
+    else:
+        eval_rows = None
+
+    def prepare(ds, name: str) -> TokenizedPairs:
+        pairs, kept = load_pairs(ds, name, "reward", tokenizer)
+        return tokenize_pairs(pairs, read_margins(ds, kept, name), tokenizer, name, config.max_length,
+                              config.truncation_mode)
+
+    train_data = prepare(rows, config.dataset)
+    eval_data = prepare(eval_rows, config.eval_dataset or "eval split") if eval_rows is not None else None
+    steps = total_steps(config, len(train_data))
+    log.info("Reward model: %d pairs%s; %d optimizer steps.", len(train_data),
+             f" ({len(eval_data)} held out)" if eval_data else "", steps)
+
+    # 2. Model, optimizer, schedule; restored from a checkpoint when resuming.
+    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
+    if resume and is_remote(resume):
+        resume = fetch_to_local(resume)
+    model = load_reward_model(resume or model_path, tokenizer.pad_token_id, config.dtype, config.trust_remote_code,
+                              config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(len(x) for data in (train_data, eval_data) if data for x in data.chosen_ids + data.rejected_ids)
+    if positions and longest > positions:
+        raise ConfigError(f"`max_length` is {config.max_length} and texts of {longest} tokens remain, but "
+                          f"{config.model} has {positions} positions: pass --max_length {positions} or less.")
+    if config.disable_dropout:
+        _disable_dropout(model)
+    if config.lora_r and not resume:
+        model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+                           task_type="SEQ_CLS", modules_to_save=[_score_head(model)])
+    model.train()
+    trainable, total = count_parameters(model)
+    log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config, steps)
+    state = ckpt.load_training_state(resume, optimizer, scheduler) if resume else ckpt.TrainState()
+    tracker = Tracker(config, "reward", run_id=state.mlflow_run_id)
+    if resume:
+        tracker.history[:] = ckpt.read_history(resume)
+    state.mlflow_run_id = tracker.run_id
+    datasets_info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows),
+                               "rows": len(rows), "pairs": len(train_data)}}
+    if eval_rows is not None:
+        datasets_info["eval"] = {"path": config.eval_dataset or "split", "fingerprint": dataset_fingerprint(eval_rows),
+                                 "rows": len(eval_rows), "pairs": len(eval_data)}
+
+    def manifest(metrics: dict[str, float]) -> dict:
+        return ckpt.build_manifest("reward", config, config.model, datasets_info, metrics, state.global_step)
+
+    def save(dest_kind: str) -> None:
+        common = dict(model=model, tokenizer=tokenizer, history=tracker.history,
+                      manifest=manifest(last_metrics), merge_lora=config.lora_merge_on_save)
+        if dest_kind == "step":
+            ckpt.save_step_checkpoint(config.output_dir, state.global_step, config.save_total_limit, state=state,
+                                      optimizer=optimizer, scheduler=scheduler, **common)
+        else:
+            ckpt.save_checkpoint(config.output_dir, **common)
+
+    # 3. The loop.
+    pad_id = tokenizer.pad_token_id
+    pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
+    window = MetricWindow()
+    last_metrics: dict[str, float] = {}
+    progress = Progress(steps, state.global_step, "reward", config.disable_progress_bar)
+    try:
+        while state.global_step < steps:
+            step = state.global_step + 1
+            micro = [collate(train_data, idx, pad_id)
+                     for idx in step_batches(len(train_data), config.per_device_batch_size,
+                                             config.gradient_accumulation_steps, config.seed, step)]
+            step_pairs = sum(b.num_pairs for b in micro)
+            sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward"), 0.0)
+            low, high = math.inf, -math.inf
+            for batch in micro:
+                chosen, rejected = pair_rewards(model, batch)
+                loss, stats = bradley_terry_loss(chosen, rejected, batch.margin, config.center_rewards_coefficient)
+                # Both terms of the loss are means over the micro-batch's pairs: weight by its share.
+                weight = batch.num_pairs / step_pairs
+                (loss * weight).backward()
+                sums["loss"] += float(loss.detach()) * weight
+                for key in ("accuracy", "margin", "mean_reward"):
+                    sums[key] += float(stats[key]) * weight
+                low, high = min(low, float(stats["min_reward"])), max(high, float(stats["max_reward"]))
+                state.num_tokens += int(batch.attention_mask.sum())
+            grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
+            state.global_step = step
+            window.add({**sums, "min_reward": low, "max_reward": high, "grad_norm": grad_norm})
+            logged = None
+            if step % config.logging_steps == 0 or step == steps:
+                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
+                          "num_tokens": float(state.num_tokens), "epoch": step * pairs_per_step / len(train_data)}
+                if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
+                    logged.update(evaluate(model, eval_data, config.per_device_batch_size, pad_id,
+                                           config.center_rewards_coefficient))
+                tracker.log_metrics(logged, step)
+                last_metrics = logged
+            progress.update(step, logged)
+            if config.save_steps and step % config.save_steps == 0 and step != steps:
+                save("step")
+        progress.close()
+
+        # 4. Final evaluation and the model.
+        if eval_data:
+            final_eval = evaluate(model, eval_data, config.per_device_batch_size, pad_id,
+                                  config.center_rewards_coefficient)
+            tracker.log_metrics(final_eval, state.global_step)
+            last_metrics = {**last_metrics, **final_eval}
+        last_metrics["train_runtime"] = time.perf_counter() - started
+        save("final")
+        tracker.log_dict(manifest(last_metrics), ckpt.MANIFEST)
+        if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
+            tracker.log_artifacts(config.output_dir, "checkpoint")
+        tracker.finish()
+    except BaseException:
+        progress.close()
+        tracker.finish("FAILED")
+        raise
+    log.info("Reward model done in %.1fs; saved to %s", time.perf_counter() - started, config.output_dir)
+    return str(Path(config.output_dir)) if not is_remote(config.output_dir) else config.output_dir

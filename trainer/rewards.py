@@ -1,0 +1,266 @@
+"""Reward functions with TRL's signature: `f(prompts, completions, **dataset_columns) -> list[float | None]`.
+
+Three kinds, loaded by `load_reward_function(spec)`:
+- built-in rules: `exact_answer` (GSM8K-style final answers), `answer_format`, `regex:<pattern>`,
+  `length:<N>`;
+- any user function given as an import path `pkg.module:function`;
+- `RewardModelScorer`, a reward-model checkpoint (the output of `alignflow train reward`, or any
+  sequence-classification model with one label). It builds each text exactly as the RM stage
+  did in training (`trainer.reward.reward_texts`: prompt + completion, eos rule included; chat
+  rendered with the RM's own chat template), so a checkpoint scores GRPO completions the way it
+  learned to score preference pairs.
+
+`score_completions` runs them all on a batch and names the function and sample when one misbehaves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import storage
+from trainer.checkpoint import MANIFEST
+from trainer.data import is_conversational, render_chat
+from trainer.models import load_reward_model, load_tokenizer, resolve_model_path
+from trainer.reward import pad_right, reward_texts, sequence_rewards
+
+DEFAULT_MAX_LENGTH = 1024
+
+
+def _as_messages(value: Any, role: str) -> list[dict]:
+    """Chat messages as they are; plain text as one message of `role` (a text prompt before a chat
+    completion is the user's turn, as in the RM stage's data)."""
+    return value if is_conversational(value) else [{"role": role, "content": value}]
+
+
+def plain_chat(messages: list[dict]) -> str:
+    """Messages as plain text, for reward models whose tokenizer has no chat template (e.g. BERT
+    encoders): "\\n\\nRole: content" per turn, the layout of Anthropic HH's text pairs."""
+    return "".join(f"\n\n{m['role'].capitalize()}: {m['content']}" for m in messages)
+
+
+def _trained_max_length(folder: str) -> int | None:
+    """`max_length` the checkpoint was trained with, from its alignflow manifest."""
+    manifest = Path(folder, MANIFEST)
+    if not manifest.exists():
+        return None
+    return json.loads(manifest.read_text()).get("config", {}).get("max_length")
+
+
+class RewardModelScorer:
+    """A reward-model checkpoint as a reward function: `scorer(prompts, completions, **kwargs) -> list[float]`.
+
+    path: checkpoint folder, s3:// prefix or hub id; a full model or a LoRA adapter folder, with its tokenizer.
+    batch_size: texts per forward pass; texts are sorted by length first, so batches carry little padding.
+    max_length: longest text in tokens; longer texts are cut on the tokenizer's `truncation_side` (alignflow
+        RMs save the side they were trained with). Default: the RM's training `max_length`, else 1024.
+    device: where the model runs; default CUDA when available, else CPU.
+
+    `__name__` is the checkpoint's folder name, which GRPO uses in metric names (`rewards/<name>/mean`),
+    as TRL does for model reward functions.
+    """
+
+    def __init__(self, path: str, batch_size: int = 16, max_length: int | None = None, device: str | None = None,
+                 dtype: str = "float32", trust_remote_code: bool = False) -> None:
+        local = resolve_model_path(path)
+        self.tokenizer = load_tokenizer(local, trust_remote_code)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_reward_model(local, self.tokenizer.pad_token_id, dtype, trust_remote_code)
+        self.model.to(self.device).eval()
+        self.batch_size = batch_size
+        self.max_length = max_length or _trained_max_length(local) or DEFAULT_MAX_LENGTH
+        self.__name__ = Path(path.rstrip("/")).name or "reward_model"
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        """The text scored for each (prompt, completion): text pairs are joined; chat pairs are rendered
+        as one conversation with the RM tokenizer's chat template, or as `plain_chat` without one."""
+        heads, tails = [], []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if is_conversational(prompt) or is_conversational(completion):
+                messages = _as_messages(prompt, "user") + _as_messages(completion, "assistant")
+                has_template = getattr(self.tokenizer, "chat_template", None)
+                heads.append("")
+                tails.append(render_chat(self.tokenizer, messages) if has_template else plain_chat(messages))
+            else:
+                heads.append(prompt)
+                tails.append(completion)
+        return reward_texts(self.tokenizer, heads, tails)
+
+    @torch.no_grad()
+    def score_texts(self, texts: list[str]) -> list[float]:
+        """One reward per text, in the order given."""
+        if not texts:
+            return []
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        scores = [0.0] * len(ids)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            input_ids, attention = pad_right([ids[i] for i in chunk], self.tokenizer.pad_token_id)
+            rewards = sequence_rewards(self.model, input_ids.to(self.device), attention.to(self.device))
+            for i, reward in zip(chunk, rewards.tolist()):
+                scores[i] = reward
+        return scores
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        """TRL's reward-function signature; extra dataset columns in `kwargs` are ignored."""
+        return self.score_texts(self.texts(prompts, completions))
+
+# ----------------------------------------------------------------------------------------------
+# Rule rewards and loading reward functions by name
+#
+# Every reward function has TRL's signature: f(prompts, completions, **dataset_columns) ->
+# list[float | None], one entry per completion. Conversational completions arrive as
+# [{"role": "assistant", "content": ...}]; `completion_text` gives the text either way.
+
+
+def completion_text(completion) -> str:
+    if isinstance(completion, list):
+        return "".join(m.get("content") or "" for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of a GSM8K-style text: the number after the last ``####``, else the last number."""
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    found = _NUMBER.findall(tail)
+    if not found:
+        return None
+    return found[0 if "####" in text else -1].replace(",", "").rstrip(".")
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 1e-6
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+def exact_answer(prompts, completions, answer=None, **_) -> list[float | None]:
+    """1.0 when the completion's final answer equals the `answer` column's (GSM8K ``#### N``), else 0.0.
+
+    Rows without an answer get None (no score from this function)."""
+    if answer is None:
+        raise ValueError("exact_answer needs an `answer` column in the dataset (GSM8K-style `#### N` or a number).")
+    out: list[float | None] = []
+    for completion, ref in zip(completions, answer):
+        expected = extract_final_answer(str(ref)) if ref is not None else None
+        if expected is None:
+            out.append(None)
+            continue
+        got = extract_final_answer(completion_text(completion))
+        out.append(1.0 if got is not None and _same_number(got, expected) else 0.0)
+    return out
+
+
+def answer_format(prompts, completions, **_) -> list[float]:
+    """1.0 when the completion ends with a GSM8K-style final answer line ``#### <number>``."""
+    pattern = re.compile(r"####\s*-?[\d,]+(?:\.\d+)?\s*$")
+    return [1.0 if pattern.search(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def make_regex_reward(pattern: str):
+    """``regex:<pattern>``: 1.0 when the pattern matches anywhere in the completion."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def regex_reward(prompts, completions, **_) -> list[float]:
+        return [1.0 if compiled.search(completion_text(c)) else 0.0 for c in completions]
+
+    regex_reward.__name__ = "regex"
+    return regex_reward
+
+
+def make_length_reward(target: str):
+    """``length:<N>``: 1 − |len − N| / N over the completion's characters, floored at 0 (1.0 at exactly N)."""
+    n = int(target)
+    if n <= 0:
+        raise ValueError(f"length:<N> needs N > 0, got {target!r}.")
+
+    def length_reward(prompts, completions, **_) -> list[float]:
+        return [max(0.0, 1.0 - abs(len(completion_text(c)) - n) / n) for c in completions]
+
+    length_reward.__name__ = "length"
+    return length_reward
+
+
+BUILTIN_REWARDS = {"exact_answer": exact_answer, "answer_format": answer_format}
+PARAMETRISED_REWARDS = {"regex": make_regex_reward, "length": make_length_reward}
+
+
+def load_reward_function(spec: str, device: str = "cpu"):
+    """A reward function from a built-in name (``exact_answer``, ``answer_format``, ``regex:<pattern>``,
+    ``length:<N>``), an import path ``pkg.module:function``, or a reward-model checkpoint folder / s3:// URI."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    name, sep, arg = spec.partition(":")
+    if sep and name in PARAMETRISED_REWARDS:
+        return PARAMETRISED_REWARDS[name](arg)
+    if sep and not spec.startswith("s3:") and "/" not in name:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"Reward function {spec!r}: cannot import module {module_name!r} ({err}).") from err
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise ValueError(f"Reward function {spec!r}: {module_name!r} has no callable {attr!r}.")
+        return fn
+    if storage.is_remote(spec) or Path(spec).is_dir():
+        return RewardModelScorer(spec, device=device)
+    known = ", ".join([*BUILTIN_REWARDS, "regex:<pattern>", "length:<N>"])
+    raise ValueError(f"Unknown reward function {spec!r}: use a built-in ({known}), an import path "
+                     "`pkg.module:function`, or a reward-model checkpoint folder.")
+
+
+def reward_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def score_completions(funcs, prompts: list, completions: list, columns: dict[str, list]):
+    """Run every reward function on the batch: a float tensor [N, F] with NaN where a function gave None.
+
+    A function that raises, returns the wrong number of scores, or returns NaN/non-numbers fails
+    with an error naming the function and the first bad sample."""
+    import math
+    import numbers
+
+    import torch
+
+    out = torch.full((len(completions), len(funcs)), float("nan"))
+    for j, fn in enumerate(funcs):
+        name = reward_name(fn)
+        try:
+            scores = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as err:
+            raise RewardError(f"Reward function `{name}` raised {type(err).__name__}: {err} "
+                              f"(first sample: prompt={_short(prompts[0])}, completion={_short(completions[0])})") from err
+        if not isinstance(scores, list | tuple) or len(scores) != len(completions):
+            got = len(scores) if isinstance(scores, list | tuple) else type(scores).__name__
+            raise RewardError(f"Reward function `{name}` returned {got} scores for {len(completions)} completions; "
+                              "it must return one float (or None) per completion.")
+        for i, score in enumerate(scores):
+            if score is None:
+                continue
+            if not isinstance(score, numbers.Real) or math.isnan(score):
+                raise RewardError(f"Reward function `{name}` returned {score!r} for sample {i} "
+                                  f"(prompt={_short(prompts[i])}, completion={_short(completions[i])}); "
+                                  "return a finite float, or None for 'no score'.")
+            out[i, j] = float(score)
+    return out
+
+
+def _short(x, n: int = 80) -> str:
+    text = completion_text(x) if isinstance(x, list) else str(x)
+    return repr(text if len(text) <= n else text[:n] + "…")
+
+
+class RewardError(ValueError):
+    """A reward function misbehaved; the message names it and the first bad sample."""

@@ -1,0 +1,44 @@
+"""Rollout engines for on-policy RL: `generate(prompts, sampling)` and `sync_weights(named_tensors)`.
+
+- ``hf``: transformers `generate` on the training model (reference; no vLLM needed).
+- ``vllm``: vLLM in the training process ("colocate"), weights pushed in place.
+- ``vllm-server``: a vLLM OpenAI-compatible server as a child process on its own devices.
+
+Only `vllm_engine.py` imports vllm, and only when a vLLM engine is made.
+"""
+
+from __future__ import annotations
+
+from trainer.rollout.base import Completion, RolloutEngine, SamplingConfig
+from trainer.rollout.hf import HFEngine
+
+ENGINE_KINDS = ("hf", "vllm", "vllm-server")
+
+__all__ = ["ENGINE_KINDS", "Completion", "HFEngine", "RolloutEngine", "SamplingConfig", "make_engine"]
+
+
+def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: int, dtype: str = "float32",
+                seed: int = 0, gpu_memory_utilization: float = 0.3, server_devices: str | None = None,
+                server_port: int | None = None, server_timeout_s: float = 300) -> RolloutEngine:
+    """Build a rollout engine.
+
+    `model` / `tokenizer` serve the ``hf`` engine; the vLLM engines load `model_path` (an HF
+    folder with config, weights and tokenizer) and then receive weights through sync_weights().
+    `seed` seeds the engine's own random stream (SamplingConfig.seed=None continues it).
+    `server_devices` is the sidecar's CUDA_VISIBLE_DEVICES (e.g. "1"); None inherits the variable.
+    """
+    if kind == "hf":
+        return HFEngine(model, tokenizer, seed=seed, max_model_len=max_model_len)
+    if kind not in ("vllm", "vllm-server"):
+        raise ValueError(f"unknown rollout engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")
+    from trainer.rollout import vllm_engine
+
+    if not vllm_engine.vllm_available():
+        raise ImportError(f"rollout engine {kind!r} needs vllm: pip install 'alignflow[cpu]' (CPU) or "
+                          "'alignflow[gpu]', or use the 'hf' engine")
+    if kind == "vllm":
+        return vllm_engine.VLLMEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
+                                      gpu_memory_utilization=gpu_memory_utilization)
+    return vllm_engine.VLLMServerEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
+                                        gpu_memory_utilization=gpu_memory_utilization, devices=server_devices,
+                                        port=server_port, timeout_s=server_timeout_s)
