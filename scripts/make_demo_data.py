@@ -69,6 +69,13 @@ def main() -> None:
     with open(OUT / "math.jsonl", "w") as fh:
         for row in math_prompts(rng):
             fh.write(json.dumps(row) + "\n")
+    with open(OUT / "math_sft.jsonl", "w") as fh:
+        for row in math_prompts(rng, 400):
+            fh.write(json.dumps({"prompt": row["prompt"],
+                                 "completion": [{"role": "assistant", "content": row["answer"]}]}) + "\n")
+    with open(OUT / "math_eval.jsonl", "w") as fh:
+        for row in math_prompts(rng, 40):
+            fh.write(json.dumps(row) + "\n")
 
 
 def math_prompts(rng: random.Random, n: int = 200) -> list[dict]:

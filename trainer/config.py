@@ -173,9 +173,12 @@ def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str) -> list[str
         if isinstance(value, list):
             if not value:
                 continue
-            argv += [f"--{key}", *[str(v) for v in value]]
+            argv += [f"--{key}", *[str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+                                   for v in value]]
         elif isinstance(value, bool):
             argv += [f"--{key}", "true" if value else "false"]
+        elif isinstance(value, float) and value.is_integer():
+            argv += [f"--{key}", str(int(value))]  # KFP's structured parameters turn ints into floats
         elif isinstance(value, dict):
             raise ConfigError(f"`{key}` in {source} is a mapping; it takes a single value.")
         else:
@@ -202,6 +205,12 @@ def make_parser(cls: type, prog: str | None = None):
     parser = HfArgumentParser(cls, prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0],
                               allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option overrides; flags override it.")
+
+    def error(message: str):  # a wrong value is a ConfigError like any other, not an exit
+        raise ConfigError(f"{message}. Run `{getattr(cls, 'command', f'alignflow train {cls.stage}')} --help` "
+                          "for the accepted values.")
+
+    parser.error = error
     return parser
 
 

@@ -255,6 +255,27 @@ def gate(candidate: float, champion: float | None, metric: str, min_improvement:
         f"improvement {improvement:+.6g} must exceed min_improvement={min_improvement:g})")
 
 
+def _check_gate(client, model_name: str, candidate: float, gate_metric: str, min_improvement: float,
+                higher_is_better: bool) -> tuple[bool, str, str | None]:
+    """(passed, reason, champion version) for a candidate's value of the gate metric."""
+    before = _aliases(client, model_name).get(CHAMPION)
+    champion_value = _stored_metric(client, model_name, before, gate_metric) if before else None
+    if before is not None and champion_value is None:
+        return False, (f"gate cannot compare: champion version {before} has no stored `{gate_metric}`; "
+                       "re-evaluate it, pick another --gate-metric, or promote with --force"), before
+    return (*gate(candidate, champion_value, gate_metric, min_improvement, higher_is_better), before)
+
+
+def check_gate(model_name: str, metrics: dict[str, float], gate_metric: str = "reward", min_improvement: float = 0.0,
+               higher_is_better: bool = True, tracking_uri: str | None = None) -> tuple[bool, str]:
+    """Whether a candidate with `metrics` would become champion, and why; registers nothing."""
+    if gate_metric not in metrics or not math.isfinite(float(metrics[gate_metric])):
+        return False, f"gate metric `{gate_metric}` missing or not finite in {sorted(metrics)}"
+    passed, reason, _ = _check_gate(connect(tracking_uri), model_name, float(metrics[gate_metric]), gate_metric,
+                                    min_improvement, higher_is_better)
+    return passed, reason
+
+
 def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, float], gate_metric: str = "reward",
             min_improvement: float = 0.0, higher_is_better: bool = True, tags: dict[str, str] | None = None,
             tracking_uri: str | None = None, run_id: str | None = None, force: bool = False,
@@ -276,16 +297,12 @@ def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, floa
         raise RegistryError("Give a checkpoint folder, or the id of a run whose artifacts hold one.")
     client = connect(tracking_uri)
     local = _local_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
-
-    before = _aliases(client, model_name).get(CHAMPION)
-    champion_value = _stored_metric(client, model_name, before, gate_metric) if before else None
     if force:
+        before = _aliases(client, model_name).get(CHAMPION)
         passed, reason = True, f"forced: {gate_metric}={candidate:.6g}, gate skipped"
-    elif before is not None and champion_value is None:
-        passed, reason = False, (f"gate cannot compare: champion version {before} has no stored `{gate_metric}`; "
-                                 "re-evaluate it, pick another --gate-metric, or promote with --force")
     else:
-        passed, reason = gate(candidate, champion_value, gate_metric, min_improvement, higher_is_better)
+        passed, reason, before = _check_gate(client, model_name, candidate, gate_metric, min_improvement,
+                                             higher_is_better)
 
     decision = {"alignflow.promotion.gate_metric": gate_metric, "alignflow.promotion.reason": reason[:5000],
                 "alignflow.promotion.promoted": str(passed).lower()}

@@ -1,0 +1,213 @@
+"""What a component body calls: build the stage config, call `trainer`, write the outputs.
+
+Component bodies are copied into the compiled YAML and run in the trainer image, so they hold
+only an import and one call into this module; everything here is thin glue around `trainer/`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components import report
+from trainer import checkpoint as ckpt
+from trainer import storage
+
+log = logging.getLogger(__name__)
+SKIPPED = "alignflow.skipped"
+PIPELINE_RUN_TAG = "alignflow.pipeline_run"
+
+# Every stage in a pipeline resumes a retried task from its last checkpoint and keeps one.
+PIPELINE_DEFAULTS = {"resume_from_checkpoint": "auto", "save_total_limit": 1, "disable_progress_bar": True}
+CURVES = {"sft": "loss", "reward": "accuracy", "dpo": "rewards/margins", "grpo": "reward"}
+
+
+def _setup() -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def is_skipped(path: str) -> bool:
+    return Path(path, SKIPPED).exists()
+
+
+def pass_through(source: str, dest: str) -> None:
+    """Make `dest` the same model as `source` (a skipped stage hands its input on); hard links when possible."""
+    shutil.copytree(source, dest, copy_function=_link_or_copy, dirs_exist_ok=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def mark_skipped(dest: str, why: str) -> None:
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    Path(dest, SKIPPED).write_text(why)
+
+
+def publish(path: str) -> None:
+    """Mirror an output artifact to ALIGNFLOW_PIPELINE_ROOT when it is an object store.
+
+    kfp.local only writes a local pipeline root; `alignflow pipeline run --local --pipeline-root
+    s3://…` sets this variable so every task's outputs also land in the bucket under the same
+    <pipeline run>/<task>/<output> layout KFP uses on a cluster.
+    """
+    root = os.environ.get("ALIGNFLOW_PIPELINE_ROOT", "")
+    if not storage.is_remote(root) or not Path(path).exists():
+        return
+    rel = "/".join(Path(path).parts[-3:])
+    dest = storage.join(root, rel)
+    if Path(path).is_dir():
+        storage.upload_dir(path, dest)
+    else:
+        storage.filesystem(dest).put_file(path, dest)
+    log.info("Published %s to %s", path, dest)
+
+
+def _log_metrics(metrics_artifact, metrics: dict[str, float]) -> None:
+    for key, value in metrics.items():
+        if isinstance(value, int | float):
+            metrics_artifact.log_metric(key.replace("/", "."), float(value))
+
+
+def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: str, model_out, metrics_out,
+                report_out, parent_run_id: str = "", extra: dict[str, Any] | None = None) -> None:
+    """Run one training stage from a component: config from the pipeline's structured parameter,
+    model/dataset/output from the artifacts."""
+    from trainer.cli import stage_parts
+    from trainer.config import config_from_dict
+
+    _setup()
+    config_cls, run = stage_parts(stage)
+    values = {**PIPELINE_DEFAULTS, **config, **(extra or {}), "model": model_in, "dataset": dataset,
+              "output_dir": model_out.path}
+    if parent_run_id:
+        values["mlflow_parent_run_id"] = parent_run_id
+    run(config_from_dict(config_cls, values))
+    manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
+    _log_metrics(metrics_out, manifest["metrics"])
+    history = ckpt.read_history(model_out.path)
+    report.write(report_out.path, report.stage_report(f"{stage} — {config_cls.__doc__.splitlines()[0]}",
+                                                      manifest["metrics"], history, CURVES.get(stage, "loss")))
+    publish(model_out.path)
+
+
+def skip_stage(stage: str, *, model_in: str | None, model_out, report_out, why: str) -> None:
+    """A switched-off stage: hand the input model on (or mark the output empty) and say so in the report."""
+    _setup()
+    if model_in:
+        pass_through(model_in, model_out.path)
+    else:
+        mark_skipped(model_out.path, why)
+    report.write(report_out.path, f"<html><body><h2>{stage} skipped</h2><p>{why}</p></body></html>")
+
+
+def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, dataset: str, reward_model: str,
+                   model_name: str, gate_metric: str, min_improvement: float, parent_run_id: str, metrics_out,
+                   report_out, results_out) -> bool:
+    """Evaluate the trained policy, compare it with the registry's champion; returns whether the gate passes."""
+    from trainer import registry
+    from trainer.config import config_from_dict
+    from trainer.evaluate import EvalConfig, run_evaluate
+
+    _setup()
+    values = {**config, "model": model_in, "dataset": dataset, "reference_model": reference_in,
+              "output_dir": results_out.path}
+    if reward_model and not is_skipped(reward_model):
+        values["reward_model"] = reward_model
+    tracking = os.environ.get("MLFLOW_TRACKING_URI")
+    if tracking and model_name:
+        champion = registry.champion_uri(model_name)
+        if champion and values.get("reward_model"):
+            values["baseline_model"] = champion
+    if parent_run_id:
+        values["mlflow_parent_run_id"] = parent_run_id
+    metrics = run_evaluate(config_from_dict(EvalConfig, values))
+    _log_metrics(metrics_out, metrics)
+    if tracking and model_name:
+        passed, reason = registry.check_gate(model_name, metrics, gate_metric, min_improvement)
+    else:
+        passed, reason = False, "no MLflow tracking URI: nothing to promote into"
+    samples = []
+    samples_file = Path(results_out.path, "samples.jsonl")
+    if samples_file.exists():
+        for line in samples_file.read_text().splitlines()[:8]:
+            row = json.loads(line)
+            samples.append({"prompt": str(row.get("prompt"))[:200], "completion": str(row.get("completion"))[:300]})
+    body = report.stage_report("evaluate", metrics, [], "reward", samples)
+    report.write(report_out.path, body.replace("</body>", f"<p><b>Gate:</b> {reason}</p></body>"))
+    Path(results_out.path, "gate.json").write_text(json.dumps({"passed": passed, "reason": reason}))
+    publish(results_out.path)
+    return passed
+
+
+def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: str, min_improvement: float,
+                  parent_run_id: str, pipeline_run: str, report_out) -> str:
+    """Register the evaluated model and move `@champion` (the pipeline calls this only when the gate passed)."""
+    from trainer import registry
+
+    _setup()
+    metrics = json.loads(Path(results, "metrics.json").read_text())
+    tags = {"alignflow.pipeline_run": pipeline_run}
+    if parent_run_id:
+        tags["alignflow.pipeline_mlflow_run"] = parent_run_id
+    result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
+                              min_improvement=min_improvement, tags=tags)
+    report.write(report_out.path, f"<html><body><h2>promote {model_name}</h2><p>version {result.version}: "
+                                  f"{result.reason}</p><p>champion {result.champion_before} → "
+                                  f"{result.champion_after}</p></body></html>")
+    return result.version
+
+
+@dataclass
+class PipelineRunConfig:
+    """What the MLflow parent run of a pipeline run records (the fields `Tracker` reads)."""
+
+    mlflow_run_name: str
+    mlflow_tags: list[str]
+    mlflow_experiment: str = field(default_factory=lambda: os.environ.get("ALIGNFLOW_MLFLOW_EXPERIMENT", "alignflow"))
+    mlflow_log_checkpoint: bool = False
+    parent_run_id = None
+
+    @property
+    def tracking_uri(self) -> str | None:
+        return os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def start_pipeline_run(pipeline_name: str, pipeline_run: str, params: dict[str, Any]) -> str:
+    """Open the MLflow parent run of a pipeline run; '' when tracking is off or unreachable."""
+    from trainer.tracking import Tracker
+
+    _setup()
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        return ""
+
+    tags = [f"alignflow.pipeline={pipeline_name}", f"{PIPELINE_RUN_TAG}={pipeline_run}"]
+    tracker = Tracker(PipelineRunConfig(mlflow_run_name=pipeline_run, mlflow_tags=tags), "pipeline")
+    tracker.log_dict(params, "pipeline_params.json")
+    return tracker.run_id or ""
+
+
+def finish_pipeline_run(pipeline_run: str) -> None:
+    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run tag)."""
+    _setup()
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment)
+    if experiment is None:
+        return
+    for run in client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'"):
+        if run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, "FINISHED")

@@ -1,0 +1,111 @@
+"""One KFP component per stage: sft, reward_model, dpo, grpo, evaluate, promote (+ the MLflow
+parent run's start and finish).
+
+Each is a lightweight Python component on the trainer image with typed artifacts in and out,
+one structured `config` parameter (the stage's options, as in `alignflow train STAGE`), and an
+HTML report for the KFP UI. Bodies only import `components.launcher` and make one call:
+KFP copies them into the compiled YAML, and the trainer image has alignflow installed, so
+`install_kfp_package=False` (clusters without internet cannot pip-install kfp at start).
+"""
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
+
+from components.images import TRAINER_IMAGE
+
+component = dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+
+
+@component
+def start_run(pipeline_name: str, pipeline_run: str, params: dict) -> str:
+    """Open the pipeline run's MLflow parent run; returns its id ('' without tracking)."""
+    from components.launcher import start_pipeline_run
+
+    return start_pipeline_run(pipeline_name, pipeline_run, params)
+
+
+@component
+def finish_run(pipeline_run: str):
+    """Close the MLflow parent run of this pipeline run (runs as the pipeline's exit handler)."""
+    from components.launcher import finish_pipeline_run
+
+    finish_pipeline_run(pipeline_run)
+
+
+@component
+def sft(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: bool, mlflow_parent_run_id: str,
+        model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+    """Supervised fine-tuning; with skip=True the base model is handed on (already instruction-tuned)."""
+    from components import launcher
+
+    if skip:
+        launcher.skip_stage("sft", model_in=base_model.path, model_out=model, report_out=report,
+                            why="skip_sft: the base model is used as the policy")
+    else:
+        launcher.train_stage("sft", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
+                             metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id)
+
+
+@component
+def reward_model(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: bool,
+                 mlflow_parent_run_id: str, model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+    """Reward-model training on preference pairs; with skip=True the output is marked empty (rule rewards only)."""
+    from components import launcher
+
+    if skip:
+        launcher.skip_stage("reward model", model_in=None, model_out=model, report_out=report,
+                            why="skip_reward_model: rule rewards only")
+    else:
+        launcher.train_stage("reward", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
+                             metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id)
+
+
+@component
+def dpo(policy: Input[Model], dataset: Input[Dataset], config: dict, mlflow_parent_run_id: str,
+        model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+    """Direct preference optimisation of the policy on preference pairs."""
+    from components import launcher
+
+    launcher.train_stage("dpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
+                         metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id)
+
+
+@component
+def grpo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Model], config: dict,
+         mlflow_parent_run_id: str, model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+    """GRPO on prompts; a trained reward model joins the configured reward functions."""
+    from components import launcher
+
+    extra = {}
+    if not launcher.is_skipped(reward_model.path):
+        extra["reward_funcs"] = [*config.get("reward_funcs", ["exact_answer"]), reward_model.path]
+        if config.get("reward_weights"):
+            extra["reward_weights"] = [*config["reward_weights"], config.get("reward_model_weight", 1.0)]
+    config = {k: v for k, v in config.items() if k != "reward_model_weight"}
+    launcher.train_stage("grpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
+                         metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id, extra=extra)
+
+
+@component
+def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Dataset], reward_model: Input[Model],
+             config: dict, model_name: str, gate_metric: str, min_improvement: float, mlflow_parent_run_id: str,
+             metrics: Output[Metrics], report: Output[HTML], results: Output[Dataset]) -> bool:
+    """Held-out evaluation (rewards, accuracy, win rate vs @champion, KL to the start); returns whether
+    the candidate passes the promotion gate."""
+    from components import launcher
+
+    return launcher.evaluate_stage(config, model_in=policy.path, reference_in=reference.path, dataset=dataset.path,
+                                   reward_model=reward_model.path, model_name=model_name, gate_metric=gate_metric,
+                                   min_improvement=min_improvement, parent_run_id=mlflow_parent_run_id,
+                                   metrics_out=metrics, report_out=report, results_out=results)
+
+
+@component
+def promote(policy: Input[Model], results: Input[Dataset], model_name: str, gate_metric: str,
+            min_improvement: float, mlflow_parent_run_id: str, pipeline_run: str, report: Output[HTML]) -> str:
+    """Register the evaluated model in MLflow and move @champion to it (old one -> @previous-champion)."""
+    from components import launcher
+
+    return launcher.promote_stage(model_in=policy.path, results=results.path, model_name=model_name,
+                                  gate_metric=gate_metric, min_improvement=min_improvement,
+                                  parent_run_id=mlflow_parent_run_id, pipeline_run=pipeline_run, report_out=report)

@@ -1,0 +1,214 @@
+"""Compile, run locally, submit and schedule the post-training pipeline from one config file.
+
+A pipeline config (YAML) sets everything a user changes: the base model, the datasets, the
+algorithm and switches, each stage's options (the same names as `alignflow train STAGE`), the
+promotion gate and the cluster resources. Everything in it is checked before any task runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer import storage
+from trainer.config import ConfigError, config_from_dict
+
+log = logging.getLogger(__name__)
+
+DATASET_KEYS = ("sft", "preferences", "prompts", "eval")
+
+
+@dataclass
+class PipelineConfig:
+    """Everything a post-training pipeline run needs; load with `load_pipeline_config`."""
+
+    base_model: str = ""
+    datasets: dict[str, str] = field(default_factory=dict)
+    algorithm: str = "grpo"
+    skip_sft: bool = False
+    skip_reward_model: bool = False
+    sft: dict[str, Any] = field(default_factory=dict)
+    reward: dict[str, Any] = field(default_factory=dict)
+    dpo: dict[str, Any] = field(default_factory=dict)
+    grpo: dict[str, Any] = field(default_factory=dict)
+    evaluate: dict[str, Any] = field(default_factory=dict)
+    model_name: str = "alignflow-policy"
+    gate_metric: str = "reward"
+    min_improvement: float = 0.0
+    cluster: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def arguments(self) -> dict[str, Any]:
+        """The pipeline's parameters."""
+        return {
+            "base_model_uri": _artifact_uri(self.base_model),
+            "sft_data_uri": _dataset_uri(self.datasets["sft"]),
+            "preference_data_uri": _dataset_uri(self.datasets["preferences"]),
+            "prompts_uri": _dataset_uri(self.datasets["prompts"]),
+            "eval_prompts_uri": _dataset_uri(self.datasets["eval"]),
+            "algorithm": self.algorithm, "skip_sft": self.skip_sft, "skip_reward_model": self.skip_reward_model,
+            "sft_config": self.sft, "reward_config": self.reward, "dpo_config": self.dpo,
+            "grpo_config": self.grpo, "eval_config": self.evaluate, "model_name": self.model_name,
+            "gate_metric": self.gate_metric, "min_improvement": float(self.min_improvement),
+        }
+
+
+def _artifact_uri(path: str) -> str:
+    return path if storage.is_remote(path) else str(Path(path).expanduser().resolve())
+
+
+def _dataset_uri(spec: str) -> str:
+    from trainer.data import demo_path
+
+    if spec == "demo" or spec.startswith("demo:"):
+        return str(demo_path(spec.partition(":")[2] or "sft"))
+    return _artifact_uri(spec)
+
+
+def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    from trainer.config import load_yaml
+
+    values = {**(load_yaml(path) if path else {}), **(overrides or {})}
+    known = {f.name for f in dataclasses.fields(PipelineConfig)}
+    for key in values:
+        if key not in known:
+            import difflib
+
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise ConfigError(f"Unknown pipeline option `{key}`.{hint} Options: {', '.join(sorted(known))}.")
+    return PipelineConfig(**values)
+
+
+def validate(config: PipelineConfig, promotion: bool = True) -> None:
+    """Check every stage option, dataset and service the run will touch, before any task starts."""
+    from trainer.cli import stage_parts
+    from trainer.evaluate import EvalConfig
+
+    if not config.base_model:
+        raise ConfigError("`base_model` is required: a model folder, an s3:// prefix (e.g. from "
+                          "`alignflow model init-tiny --out DIR`).")
+    missing = [k for k in DATASET_KEYS if k not in config.datasets]
+    if missing:
+        raise ConfigError(f"`datasets` needs the keys {', '.join(DATASET_KEYS)}; missing {', '.join(missing)}.")
+    if config.algorithm not in ("grpo", "dpo"):
+        raise ConfigError(f"`algorithm` must be grpo or dpo, got {config.algorithm!r}.")
+    placeholders = {"model": "placeholder", "dataset": "placeholder", "output_dir": "placeholder"}
+    for section in ("sft", "reward", "dpo", "grpo"):
+        config_cls, _ = stage_parts(section)
+        try:
+            config_from_dict(config_cls, {**getattr(config, section), **placeholders})
+        except ConfigError as err:
+            raise ConfigError(f"In the `{section}` section of the pipeline config: {err}") from None
+    try:
+        config_from_dict(EvalConfig, {**config.evaluate, **placeholders})
+    except ConfigError as err:
+        raise ConfigError(f"In the `evaluate` section of the pipeline config: {err}") from None
+    for name in ("base_model", *[f"datasets.{k}" for k in DATASET_KEYS]):
+        value = config.base_model if name == "base_model" else config.datasets[name.split(".")[1]]
+        uri = _artifact_uri(value) if name == "base_model" else _dataset_uri(value)
+        _check_exists(name, uri)
+    if promotion:
+        _check_tracking()
+
+
+def _check_exists(name: str, uri: str) -> None:
+    try:
+        found = storage.exists(uri)
+    except Exception as err:  # botocore/aiohttp raise many types for a dead endpoint
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS default"
+        raise ConfigError(f"`{name}` = {uri!r}: the object store cannot be reached ({type(err).__name__}: {err}). "
+                          f"Check the S3 endpoint ({endpoint}) and credentials (AWS_ACCESS_KEY_ID / "
+                          "AWS_SECRET_ACCESS_KEY).") from None
+    if not found:
+        raise ConfigError(f"`{name}` = {uri!r} does not exist.")
+
+
+def _check_tracking() -> None:
+    from trainer.tracking import _server_answers
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith(("http://", "https://")) and (why := _server_answers(uri)) is not None:
+        raise ConfigError(f"The MLflow server at {uri} cannot be reached ({why}), and the pipeline ends by promoting "
+                          "a model in its registry. Start the server or point MLFLOW_TRACKING_URI at one that "
+                          "answers /health.")
+
+
+def build_pipeline(config: PipelineConfig | None = None, retries: int = 2):
+    """The pipeline function with the config's cluster resources (`cluster.train`, `cluster.light`)."""
+    from pipelines.kubernetes import LIGHT, TRAINING
+    from pipelines.post_training import make_pipeline
+
+    cluster = (config.cluster if config else None) or {}
+    return make_pipeline(dataclasses.replace(TRAINING, **cluster.get("train", {})),
+                         dataclasses.replace(LIGHT, **cluster.get("light", {})), retries)
+
+
+def compile_pipeline(out: str, config: PipelineConfig | None = None) -> str:
+    from kfp import compiler
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(build_pipeline(config), package_path=out)
+    return out
+
+
+def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = None) -> dict[str, Any]:
+    """Run the whole DAG on this machine with kfp.local (subprocesses, no containers)."""
+    from kfp import local
+
+    output_path = Path(output).resolve()
+    output_path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_path / 'mlflow.db'}")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    validate(config)
+    local_root = output_path / "pipeline-root"
+    if pipeline_root and storage.is_remote(pipeline_root):
+        os.environ["ALIGNFLOW_PIPELINE_ROOT"] = pipeline_root  # components mirror their outputs there
+    elif pipeline_root:
+        local_root = Path(pipeline_root).resolve()
+    # Components import `components`/`pipelines`/`trainer` from this checkout in the subprocesses.
+    repo = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(local_root),
+               raise_on_error=True)
+    started = time.perf_counter()
+    # No retries here: a failure on a laptop is a bug to see at once, not a flaky node.
+    build_pipeline(config, retries=0)(**config.arguments())
+    log.info("Pipeline finished in %.0fs.", time.perf_counter() - started)
+    return {"pipeline_root": str(local_root), "tracking_uri": os.environ["MLFLOW_TRACKING_URI"],
+            "seconds": time.perf_counter() - started}
+
+
+def submit(host: str, config: PipelineConfig, experiment: str = "alignflow", run_name: str | None = None) -> str:
+    import kfp
+
+    client = kfp.Client(host=host)
+    run = client.create_run_from_pipeline_func(build_pipeline(config), arguments=config.arguments(),
+                                               experiment_name=experiment, run_name=run_name)
+    return run.run_id
+
+
+def check_cron(cron: str) -> str:
+    if len(cron.split()) != 6:
+        raise ConfigError(f"KFP cron expressions have six fields (seconds first), e.g. '0 0 3 * * *' for 03:00 daily; "
+                          f"got {cron!r} with {len(cron.split())}.")
+    return cron
+
+
+def schedule(host: str, cron: str, config: PipelineConfig, experiment: str = "alignflow",
+             job_name: str = "alignflow-retraining", package: str | None = None) -> str:
+    import tempfile
+
+    import kfp
+
+    check_cron(cron)
+    client = kfp.Client(host=host)
+    package = package or compile_pipeline(str(Path(tempfile.mkdtemp()) / "post_training.yaml"), config)
+    exp = client.create_experiment(name=experiment)
+    job = client.create_recurring_run(experiment_id=exp.experiment_id, job_name=job_name, cron_expression=cron,
+                                      pipeline_package_path=package, params=config.arguments(), enabled=True)
+    return job.recurring_run_id
