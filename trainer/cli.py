@@ -179,6 +179,7 @@ def _pipeline(argv: list[str]) -> int:
     run.add_argument("--local", action="store_true", required=True, help="Run on this machine (required).")
     run.add_argument("--config", required=True, help=config_help)
     run.add_argument("--output", default="pipeline-output", help="Local folder for the run (default pipeline-output).")
+    run.add_argument("--base-model", help="Override the config's `base_model` (a model folder).")
     run.add_argument("--pipeline-root", help="Where task outputs go: a local folder (default OUTPUT/pipeline-root) or "
                                              "s3://bucket/prefix (outputs mirrored there).")
     for name, text in (("submit", "Submit one run to a KFP cluster."),
@@ -196,7 +197,8 @@ def _pipeline(argv: list[str]) -> int:
     from trainer.config import ConfigError
 
     try:
-        config = pipeline_run.load_pipeline_config(args.config) if args.config else None
+        overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
+        config = pipeline_run.load_pipeline_config(args.config, overrides) if args.config else None
         if args.command == "compile":
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
