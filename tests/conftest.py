@@ -21,3 +21,15 @@ def tiny_model(tmp_path_factory) -> str:
     from trainer.tiny import init_tiny
 
     return str(init_tiny(tmp_path_factory.mktemp("tiny-model")))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped, with the reason, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -142,6 +142,9 @@ class TokenizedPairs:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def pair_length(self, i: int) -> int:
+        return 2 * len(self.prompt_ids[i]) + len(self.chosen_ids[i]) + len(self.rejected_ids[i])
+
 
 def tokenize_pairs(pairs: list[PreferenceText], tokenizer, name: str, chat: bool, max_length: int,
                    max_prompt_length: int, truncation_mode: str, total_rows: int) -> TokenizedPairs:
@@ -470,14 +473,18 @@ def run_dpo(config: DPOConfig) -> str:
     splits = {"train": train_data, **({"eval": eval_data} if eval_data else {})}
     reference = Reference()
     if config.precompute_ref_log_probs:
-        reference.cache = {k: torch.tensor(v) for k, v in state.extra.get("ref_logps", {}).items() if k in splits}
+        saved = state.extra.get("ref_logps", {})  # from the checkpoint; recomputed if the data changed since
+        reference.cache = {k: torch.tensor(v) for k, v in saved.items() if k in splits and len(v) == len(splits[k])}
     if config.loss_type not in REFERENCE_FREE and set(reference.cache) != set(splits):
         reference.model, reference.adapter_disabled = reference_model(config, model_path, model, not resume)
     pack_to = config.max_length if config.padding_free else 0
     if pack_to:
-        probe = list(range(min(len(train_data), config.per_device_batch_size)))
-        scorers = {id(m): m for m in (model, reference.model) if m is not None}.values()
-        if not all(packing_is_exact(m, probe, train_data, tokenizer.pad_token_id, pack_to) for m in scorers):
+        # The shortest few pairs pack several sequences per row, and cost little to score twice.
+        probe = sorted(range(len(train_data)), key=train_data.pair_length)[:4]
+        architectures = {type(m.get_base_model() if hasattr(m, "get_base_model") else m): m
+                         for m in (model, reference.model) if m is not None}
+        if not all(packing_is_exact(m, probe, train_data, tokenizer.pad_token_id, pack_to)
+                   for m in architectures.values()):
             pack_to = 0
     if config.precompute_ref_log_probs:
         ref_started = time.perf_counter()

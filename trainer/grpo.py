@@ -18,6 +18,13 @@ importance-sampling correction for the engine/trainer mismatch (Yao et al. 2025)
 
 As in TRL, `per_device_batch_size` counts completions, and a cycle generates
 `per_device_batch_size * gradient_accumulation_steps` completions (that many / G prompts).
+
+Several processes (`accelerate launch`, docs/scaling.md): each rank draws its own, disjoint slice
+of the cycle's prompts, so the G completions of a prompt are generated and scored on one rank
+and every group stays whole. Rewards are gathered so that advantages and their statistics are
+those of the whole cycle; gradients are averaged across ranks by DDP or DeepSpeed, and dapo's
+token count is that of the whole cycle. Rank 0 logs and saves. With one process the stage
+computes exactly what it did before it could run on several (trainer/distributed.py).
 """
 
 from __future__ import annotations
@@ -25,30 +32,22 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer import distributed
 from trainer.config import ConfigError, TrainConfig, _f
 from trainer.data import DataError, dataset_fingerprint, is_conversational, load_rows, render_chat
 from trainer.logprobs import entropy, selective_log_softmax, target_logits, to_padded
-from trainer.loop import (
-    MetricWindow,
-    Progress,
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    set_seed,
-    step_batches,
-)
+from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed
 from trainer.losses import combine_rewards, group_advantages, policy_loss, rollout_is_weights
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name, score_completions
 from trainer.rollout import SamplingConfig, make_engine
 from trainer.storage import fetch_to_local, is_remote
-from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +142,9 @@ class RolloutBatch:
     completion_lengths: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool, hit max_completion_length without eos
 
+    def to(self, device) -> RolloutBatch:
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> RolloutBatch:
     rows = [(p, c) for p, group in zip(prompt_ids, completions) for c in group]
@@ -171,9 +173,14 @@ def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> Rollou
 
 
 def token_logps(model, input_ids, attention_mask, completion_mask, with_entropy: bool = False):
-    """Per-token log-probs of completion tokens as [N, T] (zeros elsewhere), and their mean entropy."""
+    """Per-token log-probs of completion tokens as [N, T] (zeros elsewhere), and their mean entropy.
+
+    `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
+    forward, which is where it hooks the gradient all-reduce (trainer/distributed.py).
+    """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
-    out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
+    logits_of = distributed.wrapped_target_logits if distributed.is_wrapped(model) else target_logits
+    out = logits_of(model, input_ids, completion_mask, attention_mask, position_ids)
     logps = to_padded(selective_log_softmax(out.logits, out.targets), out.rows, out.cols, input_ids.shape)
     ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
     return logps, ent
@@ -191,7 +198,12 @@ def batched_logps(model, batch: RolloutBatch, size: int) -> torch.Tensor:
 
 
 def run_grpo(config: GRPOConfig) -> str:
-    """Train with GRPO; returns `config.output_dir` (holding the final model)."""
+    """Train with GRPO; returns `config.output_dir` (holding the final model).
+
+    Under `accelerate launch` every process runs this function as one rank.
+    """
+    accelerator = distributed.make_accelerator()
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     set_seed(config.seed)
     started = time.perf_counter()
 
@@ -208,13 +220,18 @@ def run_grpo(config: GRPOConfig) -> str:
     prompts_all = rows["prompt"]
     extra_columns = [c for c in rows.column_names if c != "prompt"]
     encoded = [prompt_token_ids(p, tokenizer, config.max_prompt_length) for p in prompts_all]
+    prompts_per_step = config.prompts_per_cycle * world  # all ranks together
+    _check_ranks(config, world, len(rows), distributed.zero_stage(accelerator) >= 0)
     num_cycles = (config.max_steps if config.max_steps > 0 else
-                  int(config.num_epochs * len(rows) / config.prompts_per_cycle)) // config.num_iterations
+                  int(config.num_epochs * len(rows) / prompts_per_step)) // config.num_iterations
     steps = max(1, num_cycles) * config.num_iterations
-    log.info("GRPO: %d prompts, %d per cycle x G=%d, %d optimizer steps, %s rollouts, rewards %s.",
-             len(rows), config.prompts_per_cycle, config.num_generations, steps, config.rollout_engine, names)
+    log.info("GRPO: %d prompts, %d per cycle x G=%d on each of %d ranks, %d optimizer steps, %s rollouts, "
+             "rewards %s.", len(rows), config.prompts_per_cycle, config.num_generations, world, steps,
+             config.rollout_engine, names)
 
-    # 2. Policy, reference, optimizer; restored when resuming.
+    # 2. Policy, reference, optimizer; restored when resuming. `policy` is the model as accelerate
+    #    prepared it (DDP or DeepSpeed with several ranks; the model itself with one): training
+    #    forwards go through it. `model` is the plain module, for generation and saving.
     resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
     if resume and is_remote(resume):
         resume = fetch_to_local(resume)
@@ -225,13 +242,23 @@ def run_grpo(config: GRPOConfig) -> str:
     ref_model = None
     if config.beta > 0 and not config.lora_r:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
+    distributed.seed_rank(config.seed, rank)
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, steps)
-    state = ckpt.load_training_state(resume, optimizer, scheduler) if resume else ckpt.TrainState()
-    tracker = Tracker(config, "grpo", run_id=state.mlflow_run_id)
+    distributed.fill_deepspeed_config(accelerator, config.per_device_batch_size, config.gradient_accumulation_steps,
+                                      config.max_grad_norm)
+    policy, optimizer = accelerator.prepare(model, optimizer)
+    ref_model = distributed.prepare_reference(accelerator, ref_model)
+    device = accelerator.device
+    state = ckpt.TrainState()
+    if resume:
+        state = ckpt.load_training_state(resume, distributed.checkpoint_optimizer(accelerator, optimizer), scheduler)
+        distributed.load_engine_state(accelerator, policy, resume)
+        distributed.restore_rank_rng(accelerator, state.extra.get("rank_rng"))
+    tracker = distributed.rank_tracker(accelerator, config, "grpo", state.mlflow_run_id)
     if resume:
         tracker.history[:] = ckpt.read_history(resume)
     state.mlflow_run_id = tracker.run_id
@@ -248,6 +275,7 @@ def run_grpo(config: GRPOConfig) -> str:
     G, size = config.num_generations, config.per_device_batch_size
     window = MetricWindow()
     last_metrics: dict[str, float] = {}
+    report = distributed.RankReport(accelerator)
 
     def manifest(metrics: dict[str, float]) -> dict:
         return ckpt.build_manifest("grpo", config, config.model, datasets_info, metrics, state.global_step)
@@ -255,27 +283,43 @@ def run_grpo(config: GRPOConfig) -> str:
     def push_weights() -> None:
         if config.rollout_engine == "hf":
             return  # the hf engine generates with the training model itself
-        if config.lora_r:
-            merged = copy.deepcopy(model).merge_and_unload()
-            engine.sync_weights(merged.state_dict().items())
-        else:
-            engine.sync_weights(model.state_dict().items())
+        with distributed.full_params(accelerator, policy):
+            if config.lora_r:
+                merged = copy.deepcopy(model).merge_and_unload()
+                engine.sync_weights(merged.state_dict().items())
+            else:
+                engine.sync_weights(model.state_dict().items())
 
-    progress = Progress(steps, state.global_step, "grpo", config.disable_progress_bar)
+    def save_step_checkpoint(step: int) -> None:
+        # Every rank takes part (DeepSpeed shards, RNG states, ZeRO-3 gathers); rank 0 writes the rest.
+        distributed.save_engine_state(accelerator, policy, ckpt.step_dir(config.output_dir, step))
+        if (rank_rng := distributed.rank_rng_states(accelerator)) is not None:
+            state.extra["rank_rng"] = rank_rng
+        with distributed.full_params(accelerator, policy):
+            if main:
+                ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, model=model,
+                                          tokenizer=tokenizer, manifest=manifest(last_metrics),
+                                          history=tracker.history, state=state,
+                                          optimizer=distributed.checkpoint_optimizer(accelerator, optimizer),
+                                          scheduler=scheduler, merge_lora=config.lora_merge_on_save)
+        accelerator.wait_for_everyone()
+
+    progress = Progress(steps, state.global_step, "grpo", config.disable_progress_bar or not main)
     try:
         while state.global_step < steps:
             cycle = state.global_step // config.num_iterations
             timings: dict[str, float] = {}
             t0 = time.perf_counter()
 
-            # generate
-            (picked,) = step_batches(len(rows), config.prompts_per_cycle, 1, config.seed, cycle + 1)
-            sampling.seed = config.seed + cycle
+            # generate: this rank's own prompts, all G completions of each (groups stay whole here)
+            picked = distributed.rank_prompts(len(rows), config.prompts_per_cycle, rank, world, config.seed, cycle)
+            sampling.seed = distributed.rollout_seed(config.seed + cycle, rank, world)
             completions = engine.generate([encoded[i] for i in picked], sampling)
-            batch = build_batch([encoded[i] for i in picked], completions, pad_id)
+            batch = build_batch([encoded[i] for i in picked], completions, pad_id).to(device)
+            report.add_cycle(cycle, picked, [len(group) for group in completions])
             timings["timing/generate"] = time.perf_counter() - t0
 
-            # score
+            # score; advantages over the whole cycle: every rank's groups, each whole, in rank order
             t = time.perf_counter()
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
             prompts = [prompts_all[i] for i in picked for _ in range(G)]
@@ -284,7 +328,10 @@ def run_grpo(config: GRPOConfig) -> str:
             columns = {c: [rows[i][c] for i in picked for _ in range(G)] for c in extra_columns}
             per_func = score_completions(funcs, prompts, shaped, columns)  # [N, F]
             rewards = combine_rewards(per_func, weights)  # [N]
-            advantages, adv_stats = group_advantages(rewards, G, config.scale_rewards)  # [N]
+            all_rewards = accelerator.gather(rewards.to(device)).cpu()  # [world*N]
+            all_advantages, adv_stats = group_advantages(all_rewards, G, config.scale_rewards)  # [world*N]
+            mine = slice(rank * len(rewards), (rank + 1) * len(rewards))
+            advantages = all_advantages[mine].to(device)  # [N]
             timings["timing/score"] = time.perf_counter() - t
 
             # reference and old log-probs
@@ -292,47 +339,50 @@ def run_grpo(config: GRPOConfig) -> str:
             loss_mask = batch.completion_mask.clone()
             if config.mask_truncated_completions:
                 loss_mask[batch.truncated] = 0
-            old_logps = batched_logps(model, batch, size) if config.num_iterations > 1 else None
+            old_logps = batched_logps(policy, batch, size) if config.num_iterations > 1 else None
             ref_logps = None
             if config.beta > 0:
                 if ref_model is not None:
                     ref_logps = batched_logps(ref_model, batch, size)
                 else:
                     with model.disable_adapter():
-                        ref_logps = batched_logps(model, batch, size)
+                        ref_logps = batched_logps(policy, batch, size)
             timings["timing/reference"] = time.perf_counter() - t
 
             # update: num_iterations optimizer steps over the cycle
             t = time.perf_counter()
-            cycle_tokens = float(loss_mask.sum())
+            # dapo divides by the active tokens of the whole cycle on all ranks; by world / world of
+            # them here, because DDP / DeepSpeed average the ranks' gradients (TRL does the same).
+            cycle_tokens = float(accelerator.reduce(loss_mask.sum(), "sum")) / world
             micro_batches = range(0, len(batch.input_ids), size)
             accum = len(micro_batches)
             for _ in range(config.num_iterations):
                 step_stats, step_loss = MetricWindow(), 0.0
-                for start in micro_batches:
+                for i, start in enumerate(micro_batches):
                     sl = slice(start, start + size)
-                    logps, ent = token_logps(model, batch.input_ids[sl], batch.attention_mask[sl],
-                                             batch.completion_mask[sl], with_entropy=True)
-                    mask = loss_mask[sl]
-                    behaviour = old_logps[sl] if old_logps is not None else logps.detach()
-                    is_weights, is_stats = None, {}
-                    if config.importance_sampling_correction and config.rollout_engine != "hf":
-                        is_weights, is_stats = rollout_is_weights(behaviour, batch.rollout_logps[sl], mask,
-                                                                  mode="token_truncate",
-                                                                  clip_max=config.importance_sampling_cap)
-                    loss, stats = policy_loss(
-                        logps, old_logps[sl] if old_logps is not None else None, advantages[sl], mask,
-                        loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-                        ref_logps=ref_logps[sl] if ref_logps is not None else None, beta=config.beta,
-                        max_completion_length=config.max_completion_length, num_items_in_batch=cycle_tokens,
-                        is_weights=is_weights)
-                    # dapo already divides by the whole cycle's tokens; the others average micro-batches.
-                    contribution = loss if config.loss_type == "dapo" else loss / accum
-                    contribution.backward()
+                    with distributed.micro_batch(accelerator, policy, last=i == accum - 1):
+                        logps, ent = token_logps(policy, batch.input_ids[sl], batch.attention_mask[sl],
+                                                 batch.completion_mask[sl], with_entropy=True)
+                        mask = loss_mask[sl]
+                        behaviour = old_logps[sl] if old_logps is not None else logps.detach()
+                        is_weights, is_stats = None, {}
+                        if config.importance_sampling_correction and config.rollout_engine != "hf":
+                            is_weights, is_stats = rollout_is_weights(behaviour, batch.rollout_logps[sl], mask,
+                                                                      mode="token_truncate",
+                                                                      clip_max=config.importance_sampling_cap)
+                        loss, stats = policy_loss(
+                            logps, old_logps[sl] if old_logps is not None else None, advantages[sl], mask,
+                            loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+                            ref_logps=ref_logps[sl] if ref_logps is not None else None, beta=config.beta,
+                            max_completion_length=config.max_completion_length, num_items_in_batch=cycle_tokens,
+                            is_weights=is_weights)
+                        # dapo already divides by the whole cycle's tokens; the others average micro-batches.
+                        contribution = loss if config.loss_type == "dapo" else loss / accum
+                        distributed.backward(accelerator, contribution)
                     step_loss += float(contribution.detach())
                     step_stats.add({**({"entropy": ent} if ent is not None else {}),
                                     **{k: float(v) for k, v in {**stats, **is_stats}.items() if v.ndim == 0}})
-                grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
+                grad_norm = distributed.clip_and_step(accelerator, policy, optimizer, scheduler, config.max_grad_norm)
                 state.global_step += 1
                 window.add({**step_stats.pop(), "loss": step_loss, "grad_norm": grad_norm})
             timings["timing/update"] = time.perf_counter() - t
@@ -341,22 +391,24 @@ def run_grpo(config: GRPOConfig) -> str:
             t = time.perf_counter()
             push_weights()
             timings["timing/sync"] = time.perf_counter() - t
-            state.num_tokens += int(batch.attention_mask.sum())
+            state.num_tokens += int(accelerator.reduce(batch.attention_mask.sum(), "sum"))
 
             step = state.global_step
-            lengths = batch.completion_lengths.float()
+            all_per_func = accelerator.gather(per_func.to(device)).cpu()  # [world*N, F]
+            lengths = accelerator.gather(batch.completion_lengths).float().cpu()  # [world*N]
+            truncated = accelerator.gather(batch.truncated.float()).cpu()  # [world*N]
             window.add({
                 "reward": float(adv_stats["reward"]), "reward_std": float(adv_stats["reward_std"]),
                 "frac_reward_zero_std": float(adv_stats["frac_reward_zero_std"]),
-                **{f"rewards/{n}/mean": float(torch.nanmean(per_func[:, j])) for j, n in enumerate(names)},
-                **{f"rewards/{n}/std": float(_nanstd(per_func[:, j])) for j, n in enumerate(names)},
+                **{f"rewards/{n}/mean": float(torch.nanmean(all_per_func[:, j])) for j, n in enumerate(names)},
+                **{f"rewards/{n}/std": float(_nanstd(all_per_func[:, j])) for j, n in enumerate(names)},
                 "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                 "completions/max_length": float(lengths.max()),
-                "completions/clipped_ratio": float(batch.truncated.float().mean()),
+                "completions/clipped_ratio": float(truncated.mean()),
                 "step_time": time.perf_counter() - t0, **timings,
             })
             if step % config.logging_steps < config.num_iterations or step >= steps:
-                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
+                logged = {**distributed.mean_over_ranks(window.pop()), "learning_rate": scheduler.get_last_lr()[0],
                           "num_tokens": float(state.num_tokens)}
                 tracker.log_metrics(logged, step)
                 last_metrics = logged
@@ -369,14 +421,16 @@ def run_grpo(config: GRPOConfig) -> str:
                                    "completion": texts[:k], "reward": rewards[:k].tolist()},
                                   f"completions/step_{step:06d}.json")
             if config.save_steps and step % config.save_steps < config.num_iterations and step < steps:
-                ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, model=model,
-                                          tokenizer=tokenizer, manifest=manifest(last_metrics),
-                                          history=tracker.history, state=state, optimizer=optimizer,
-                                          scheduler=scheduler, merge_lora=config.lora_merge_on_save)
+                save_step_checkpoint(step)
         progress.close()
         last_metrics["train_runtime"] = time.perf_counter() - started
-        ckpt.save_checkpoint(config.output_dir, model=model, tokenizer=tokenizer, manifest=manifest(last_metrics),
-                             history=tracker.history, merge_lora=config.lora_merge_on_save)
+        with distributed.full_params(accelerator, policy):
+            if main:
+                ckpt.save_checkpoint(config.output_dir, model=model, tokenizer=tokenizer,
+                                     manifest=manifest(last_metrics), history=tracker.history,
+                                     merge_lora=config.lora_merge_on_save)
+            report.write(model)
+        accelerator.wait_for_everyone()
         tracker.log_dict(manifest(last_metrics), ckpt.MANIFEST)
         tracker.finish()
     except BaseException:
@@ -387,6 +441,20 @@ def run_grpo(config: GRPOConfig) -> str:
         engine.close()
     log.info("GRPO done in %.1fs; model saved to %s", time.perf_counter() - started, config.output_dir)
     return config.output_dir
+
+
+def _check_ranks(config: GRPOConfig, world: int, num_prompts: int, deepspeed: bool) -> None:
+    """What several ranks need that one does not; each error says what to change."""
+    if world > 1 and num_prompts < config.prompts_per_cycle * world:
+        raise ConfigError(f"{world} ranks x {config.prompts_per_cycle} prompts per cycle need at least "
+                          f"{config.prompts_per_cycle * world} prompts; the dataset has {num_prompts}. Lower "
+                          "per_device_batch_size or gradient_accumulation_steps, or use fewer processes.")
+    if world > 1 and config.rollout_engine == "vllm":
+        raise ConfigError("rollout_engine=vllm runs vLLM inside the training process, which supports one process "
+                          "so far; with several ranks use vllm-server (a sidecar per rank) or hf.")
+    if deepspeed and config.save_steps and is_remote(config.output_dir):
+        raise ConfigError("Under DeepSpeed every rank writes its optimizer shard into each step checkpoint, which "
+                          "needs a local (shared) `output_dir`; use a local path or `save_steps 0`.")
 
 
 def _nanstd(x: torch.Tensor) -> torch.Tensor:
