@@ -1,0 +1,363 @@
+"""Several training processes (`accelerate launch`, `torchrun`): the few things a stage's loop must do differently.
+
+A stage calls these helpers at fixed points of its loop; with one process every helper is a
+no-op or an identity, so a single-process run computes exactly what it did without them.
+Gradients are averaged over ranks by whatever `accelerate` prepared: DistributedDataParallel
+(one process per GPU, or per CPU over gloo) or a DeepSpeed ZeRO engine
+(trainer/configs/deepspeed_zero{2,3}.json).
+
+Rules the helpers encode:
+
+- **Calls through the wrapper.** A gradient must come from a forward through the object
+  `accelerator.prepare` returned: DDP arms its all-reduce in `DDP.forward`, DeepSpeed ZeRO-3
+  gathers parameters in hooks rooted at `DeepSpeedEngine.forward`. `trainer.logprobs.target_logits`
+  calls the inner decoder and LM head directly (to skip the head at prompt positions), which
+  would silently skip both, so wrapped models go through `wrapped_target_logits` instead.
+- **Equal work on every rank.** Every collective (gradient all-reduce, gathers of metrics) must
+  be reached by all ranks the same number of times, so every rank gets the same number of
+  prompts per cycle (`rank_prompts`) and runs the same number of micro-batches.
+- **Rank 0 writes.** Logging to MLflow, the progress bar and checkpoints are rank 0's; the
+  others wait at a barrier. DeepSpeed's sharded optimizer state is the exception: each rank
+  writes its own shard.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.logprobs import TargetLogits
+from trainer.loop import step_batches
+from trainer.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+# Set to a folder to have every rank write rank_<N>.json there at the end of a run: a digest of
+# its parameters and the prompts it trained on per cycle (tests check ranks agree and groups stay whole).
+RANK_REPORT_ENV = "ALIGNFLOW_RANK_REPORT_DIR"
+DEEPSPEED_STATE_DIR = "deepspeed"  # inside a step checkpoint: each rank's ZeRO shard
+
+
+def make_accelerator():
+    """The `Accelerator` of one training run, configured by `accelerate launch` (environment variables).
+
+    Without CUDA, `cpu=True` makes accelerate treat processes started by `torchrun` or
+    `accelerate launch --multi_gpu` as MULTI_CPU ranks over gloo; otherwise it starts the process
+    group yet reports one process. DeepSpeed is left to its own device choice (one process on CPU
+    is how its code path is tested without a GPU).
+    """
+    from accelerate import Accelerator
+
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise RuntimeError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
+                           f"{accelerator.num_processes} ({accelerator.distributed_type}). DeepSpeed needs CUDA for "
+                           "several processes; on CPU use plain data parallelism (`accelerate launch --multi_gpu`).")
+    if not accelerator.is_main_process:
+        logging.getLogger("trainer").setLevel(logging.WARNING)  # one rank narrates
+    return accelerator
+
+
+def zero_stage(accelerator) -> int:
+    """The DeepSpeed ZeRO stage, or -1 when DeepSpeed is not in use."""
+    plugin = accelerator.state.deepspeed_plugin
+    return int(plugin.zero_stage) if plugin is not None else -1
+
+
+def fill_deepspeed_config(accelerator, micro_batch_size: int, accumulation_steps: int, max_grad_norm: float) -> None:
+    """Fill the DeepSpeed config's "auto" batch, accumulation and clipping values from the stage config.
+
+    accelerate fills the batch size from a prepared DataLoader, which RL stages do not have. The
+    batch values only feed DeepSpeed's bookkeeping (the stage marks accumulation boundaries
+    itself); a clipping threshold in the JSON file that disagrees with `max_grad_norm` would
+    change the update, so it is an error rather than a silent override.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    clip = max_grad_norm if max_grad_norm > 0 else 0.0  # DeepSpeed: 0 = no clipping
+    if ds.get("gradient_clipping", "auto") not in ("auto", clip):
+        from trainer.config import ConfigError
+
+        raise ConfigError(f"The DeepSpeed config sets gradient_clipping={ds['gradient_clipping']} but max_grad_norm is "
+                          f"{max_grad_norm}; set it to \"auto\" in the JSON file (the stage fills it in).")
+    wanted = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": accumulation_steps,
+              "gradient_clipping": clip}
+    for key, value in wanted.items():
+        if ds.get(key, "auto") == "auto":
+            ds[key] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: prompts per rank
+
+
+def rank_prompts(num_prompts: int, per_rank: int, rank: int, world: int, seed: int, cycle: int) -> list[int]:
+    """Prompt indices rank `rank` generates for in cycle `cycle` (0-based).
+
+    The cycle's global batch of `per_rank * world` prompts (the resumable order of
+    `trainer.loop.step_batches`) is cut into contiguous slices, one per rank: disjoint, so all G
+    completions of a prompt, i.e. its whole group, are generated, scored and normalised on one
+    rank. With one process this is exactly `step_batches(num_prompts, per_rank, 1, seed, cycle + 1)`.
+    """
+    size = per_rank * world
+    (picked,) = step_batches(num_prompts, size, 1, seed, cycle + 1)
+    if world > 1 and len(picked) < size:
+        # The last batch of an epoch is short when `size` does not divide the prompts. Ranks need
+        # equal shares (else their collectives would not pair up): top it up with the next batch,
+        # the first of the next epoch. One process keeps the short batch, as it always has.
+        (following,) = step_batches(num_prompts, size, 1, seed, cycle + 2)
+        taken = set(picked)
+        picked = picked + [i for i in following if i not in taken][:size - len(picked)]
+    return picked[rank * per_rank:(rank + 1) * per_rank]
+
+
+def rollout_seed(seed: int, rank: int, world: int) -> int:
+    """A per-call sampling seed distinct for every (seed, rank) pair; `seed` itself with one process."""
+    return seed * world + rank
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward, backward, optimizer step
+
+
+def is_wrapped(model) -> bool:
+    """True for a model that accelerate wrapped (DDP, DeepSpeed, FSDP), whose forward must be called as such."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model) is not model
+
+
+def wrapped_target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
+                          attention_mask: torch.Tensor | None = None,
+                          position_ids: torch.Tensor | None = None) -> TargetLogits:
+    """`trainer.logprobs.target_logits` through the wrapper's own forward (see the module docstring).
+
+    The LM head still skips most prompt positions: transformers' `logits_to_keep` keeps the last
+    k positions, from the one predicting the first target on. For GRPO's right-aligned
+    completions that is the completion block plus one. [B, T] -> TargetLogits with N targets.
+    """
+    mask = target_mask.bool().clone()
+    mask[:, 0] = False
+    rows, cols = mask.nonzero(as_tuple=True)  # [N], [N]
+    first = int(cols.min()) - 1 if cols.numel() else input_ids.shape[1] - 1  # earliest predicting position
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=input_ids.shape[1] - first).logits  # [B, T - first, V]
+    return TargetLogits(logits=logits[rows, cols - 1 - first], targets=input_ids[rows, cols], rows=rows, cols=cols)
+
+
+@contextlib.contextmanager
+def micro_batch(accelerator, model, last: bool) -> Iterator[None]:
+    """One micro-batch of gradient accumulation: gradients are reduced across ranks on the last one only.
+
+    DDP skips its all-reduce under `no_sync`; DeepSpeed reads `sync_gradients` as its accumulation
+    boundary and steps its engine inside the last `backward`.
+    """
+    accelerator.sync_gradients = last
+    try:
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            yield
+    finally:
+        accelerator.sync_gradients = True
+
+
+def backward(accelerator, loss: torch.Tensor) -> None:
+    """`loss.backward()` the way the prepared model needs it. The loss is already scaled for
+    accumulation (the stage divides by micro-batches or by the cycle's tokens), so DeepSpeed must
+    not divide it again by its `gradient_accumulation_steps`."""
+    if accelerator.state.deepspeed_plugin is not None:
+        accelerator.backward(loss, scale_wrt_gas=False)
+    else:
+        accelerator.backward(loss)
+
+
+def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm: float) -> float:
+    """`trainer.loop.clip_and_step` through accelerate; returns the gradient norm before clipping.
+
+    Under DeepSpeed the engine has already clipped (its `gradient_clipping`) and stepped in the
+    last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the engine's.
+    """
+    params = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
+    norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm) if norm is not None else float("nan")
+
+
+@contextlib.contextmanager
+def full_params(accelerator, model) -> Iterator[None]:
+    """Whole parameters on every rank for the duration (ZeRO-3 shards them): for `state_dict()`,
+    saving and weight pushes. Every rank must enter it together. A no-op otherwise."""
+    if zero_stage(accelerator) == 3:
+        import deepspeed
+
+        params = list(accelerator.unwrap_model(model).parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def prepare_reference(accelerator, ref_model):
+    """The frozen reference model on this rank's device; under ZeRO-3 (where `from_pretrained` loaded
+    it sharded) an inference-only DeepSpeed engine, as TRL does."""
+    if ref_model is None:
+        return None
+    if zero_stage(accelerator) != 3:
+        return ref_model.to(accelerator.device)
+    import deepspeed
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1,
+              "bf16": {"enabled": ref_model.dtype == torch.bfloat16},
+              "fp16": {"enabled": ref_model.dtype == torch.float16}}
+    engine, *_ = deepspeed.initialize(model=ref_model, config=config)
+    engine.eval()  # DeepSpeedEngine.eval returns None
+    return engine
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics, logging
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank's metrics averaged key by key (a key some ranks lack is averaged over those that have it).
+    Every rank must call it at the same step. One process: `metrics` unchanged."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([metrics])
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    keys = list(dict.fromkeys(k for m in per_rank for k in m))
+    return {k: sum(m[k] for m in per_rank if k in m) / sum(k in m for m in per_rank) for k in keys}
+
+
+def rank_tracker(accelerator, config, stage: str, run_id: str | None) -> Tracker:
+    """Rank 0's MLflow tracker; the other ranks get one with MLflow off (their metrics reach rank 0's)."""
+    if accelerator.is_main_process:
+        return Tracker(config, stage, run_id=run_id)
+    return Tracker(SimpleNamespace(tracking_uri=None, mlflow_log_checkpoint=False), stage)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-rank state in checkpoints
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Give ranks other than 0 their own random stream (dropout), after the model was built identically on all."""
+    if rank:
+        from trainer.loop import set_seed
+
+        set_seed(seed + rank)
+
+
+def _rng_blob() -> str:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def rank_rng_states(accelerator) -> list[str] | None:
+    """Every rank's RNG state (for a step checkpoint's `TrainState.extra`); None with one process,
+    whose RNG state the checkpoint keeps already. Every rank must call it."""
+    if accelerator.num_processes == 1:
+        return None
+    from accelerate.utils import gather_object
+
+    return gather_object([_rng_blob()])
+
+
+def restore_rank_rng(accelerator, states: list[str] | None) -> None:
+    """Undo `rank_rng_states` on this rank (the checkpoint restored rank 0's state on every rank)."""
+    if not states or accelerator.num_processes == 1:
+        return
+    if len(states) != accelerator.num_processes:
+        log.warning("The checkpoint holds RNG states of %d ranks, this run has %d; ranks keep rank 0's.",
+                    len(states), accelerator.num_processes)
+        return
+    state = torch.load(io.BytesIO(base64.b64decode(states[accelerator.process_index])), weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class _ShardedOptimizer:
+    """What `trainer.checkpoint` sees as the optimizer under DeepSpeed: nothing to save or load there,
+    since ZeRO shards the optimizer state across ranks (`save_engine_state` keeps the shards)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def checkpoint_optimizer(accelerator, optimizer):
+    return _ShardedOptimizer() if accelerator.state.deepspeed_plugin is not None else optimizer
+
+
+def save_engine_state(accelerator, model, checkpoint_dir: str) -> None:
+    """DeepSpeed: every rank writes its ZeRO shard of model and optimizer state into the step
+    checkpoint (a local folder). Call on all ranks before rank 0 completes the checkpoint."""
+    if accelerator.state.deepspeed_plugin is not None:
+        model.save_checkpoint(str(Path(checkpoint_dir) / DEEPSPEED_STATE_DIR), tag="state", save_latest=False)
+
+
+def load_engine_state(accelerator, model, checkpoint_dir: str) -> None:
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    path = Path(checkpoint_dir) / DEEPSPEED_STATE_DIR
+    if not path.is_dir():
+        raise ValueError(f"{checkpoint_dir!r} has no {DEEPSPEED_STATE_DIR}/ folder: it was not written by a DeepSpeed "
+                         "run, whose optimizer state is sharded. Start from it with `model` instead.")
+    model.load_checkpoint(str(path), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Debug report
+
+
+class RankReport:
+    """What this rank trained on and ended with, written to $ALIGNFLOW_RANK_REPORT_DIR/rank_<N>.json
+    when that variable is set (tests compare ranks); does nothing otherwise."""
+
+    def __init__(self, accelerator) -> None:
+        self.folder = os.environ.get(RANK_REPORT_ENV)
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.cycles: list[dict[str, Any]] = []
+
+    def add_cycle(self, cycle: int, prompts: list[int], group_sizes: list[int]) -> None:
+        if self.folder:
+            self.cycles.append({"cycle": cycle, "prompts": list(prompts), "group_sizes": list(group_sizes)})
+
+    def write(self, model) -> None:
+        if not self.folder:
+            return
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        report = {"rank": self.rank, "world_size": self.world, "params_sha256": digest.hexdigest(),
+                  "cycles": self.cycles}
+        (Path(self.folder) / f"rank_{self.rank}.json").write_text(json.dumps(report))
