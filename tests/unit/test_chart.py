@@ -1,0 +1,214 @@
+"""charts/alignflow renders, lints and validates against the Kubernetes 1.30 and 1.33 schemas
+(strict) for several value sets; the upload Job ships the compiled pipeline; the schedule comes
+from values. Offline: helm-python-sdk bundles Helm's Go SDK, kubernetes-validate its schemas."""
+
+import json
+import re
+import runpy
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "alignflow"
+KUBE_VERSIONS = ["1.30.0", "1.33.0"]
+SECRETS = {"create": True, "s3": {"accessKeyId": "key", "secretAccessKey": "secret"},
+           "mlflow": {"username": "admin", "password": "pw"}}
+VALUE_SETS = {
+    "defaults": {},
+    "sqlite-seaweedfs-auth-schedule": {
+        "secrets": SECRETS, "seaweedfs": {"enabled": True}, "mlflow": {"auth": {"enabled": True}},
+        "kfp": {"recurringRun": {"enabled": True, "cron": "0 30 2 * * 1", "params": {"model_name": "m"}}}},
+    "postgresql-external-s3": {
+        "mlflow": {"backend": {"type": "postgresql"}}, "networkPolicy": {"enabled": False},
+        "secrets": {**SECRETS, "s3": {**SECRETS["s3"], "endpointUrl": "https://s3.example.com"}},
+        "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "x", "operator": "Exists"}]},
+    "nothing-but-rbac": {"mlflow": {"enabled": False}, "kfp": {"upload": {"enabled": False}}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    with helm.Chart.load(str(CHART)) as chart:
+        out = chart.render(values, name="rel", namespace="ml", is_install=True)
+    return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_specs(docs):
+    return [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job")]
+
+
+def test_lint_is_clean():
+    for strict in (False, True):
+        report = helm.lint(str(CHART), strict=strict, kube_version="v1.30.0")
+        assert not report["errors"], report
+        assert not [m for m in report["messages"] if m["severity"] >= 2], report
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_manifest_validates_strictly(name, version):
+    docs = render(VALUE_SETS[name])
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_pods_are_locked_down_and_request_resources(name):
+    for spec in pod_specs(render(VALUE_SETS[name])):
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        for container in spec["containers"] + spec.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert container["resources"]["requests"]
+
+
+def test_components_are_selectable():
+    default = render({})
+    assert [d["metadata"]["name"] for d in by_kind(default, "Deployment")] == ["rel-alignflow-mlflow"]
+    assert not by_kind(default, "Secret")
+    full = render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"])
+    assert {d["metadata"]["name"] for d in by_kind(full, "Deployment")} == {
+        "rel-alignflow-mlflow", "rel-alignflow-seaweedfs"}
+    assert {d["metadata"]["name"] for d in by_kind(full, "Secret")} == {"alignflow-s3", "alignflow-mlflow"}
+    s3 = next(d for d in by_kind(full, "Secret") if d["metadata"]["name"] == "alignflow-s3")
+    assert s3["stringData"]["AWS_ENDPOINT_URL"] == "http://rel-alignflow-seaweedfs:8333"
+    assert len(by_kind(full, "NetworkPolicy")) == 2
+    assert not by_kind(render(VALUE_SETS["postgresql-external-s3"]), "NetworkPolicy")
+
+
+def mlflow_container(docs):
+    deployment = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-mlflow"))
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_mlflow_backend_and_auth():
+    sqlite = mlflow_container(render({}))
+    env = {e["name"]: e for e in sqlite["env"]}
+    assert env["BACKEND_STORE_URI"]["value"] == "sqlite:////data/mlflow.db"
+    assert "--app-name basic-auth" not in sqlite["args"][0]
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "alignflow-s3"
+
+    pg = mlflow_container(render(VALUE_SETS["postgresql-external-s3"]))
+    ref = {e["name"]: e for e in pg["env"]}["BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "alignflow-mlflow-db", "key": "uri"}
+    assert not by_kind(render(VALUE_SETS["postgresql-external-s3"]), "PersistentVolumeClaim")
+
+    auth = mlflow_container(render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))
+    assert "--app-name basic-auth" in auth["args"][0]
+    assert "MLFLOW_AUTH_CONFIG_PATH" in auth["args"][0]
+
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError, match="sqlite or postgresql"):
+        chart.render({"mlflow": {"backend": {"type": "mysql"}}}, name="rel", namespace="ml")
+
+
+def upload_config(docs) -> dict:
+    return next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "rel-alignflow-upload")["data"]
+
+
+def test_upload_job_carries_the_compiled_pipeline():
+    docs = render({})
+    shipped = (CHART / "files" / "post_training.yaml").read_text()
+    assert upload_config(docs)["post_training.yaml"].strip() == shipped.strip()
+    job = by_kind(docs, "Job")[0]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/alignflow/tools:0.1.0"
+    assert "post_training.yaml" in " ".join(job["spec"]["template"]["spec"]["containers"][0]["command"])
+
+
+def test_shipped_pipeline_equals_a_fresh_compile(tmp_path, monkeypatch):
+    for var in ("ALIGNFLOW_IMAGE_REGISTRY", "ALIGNFLOW_IMAGE_TAG", "ALIGNFLOW_TRAINER_IMAGE", "ALIGNFLOW_TOOLS_IMAGE"):
+        monkeypatch.delenv(var, raising=False)
+    from pipelines.run import compile_pipeline
+
+    fresh = Path(compile_pipeline(str(tmp_path / "p.yaml"))).read_text()
+    shipped = (CHART / "files" / "post_training.yaml").read_text()
+    assert fresh == shipped, "regenerate: alignflow pipeline compile --out charts/alignflow/files/post_training.yaml"
+
+
+def test_recurring_run_comes_from_values():
+    settings = json.loads(upload_config(render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))["settings.json"])
+    rr = settings["recurring_run"]
+    assert rr["enabled"] is True and rr["cron"] == "0 30 2 * * 1" and rr["params"] == {"model_name": "m"}
+    assert json.loads(upload_config(render({}))["settings.json"])["recurring_run"]["enabled"] is False
+
+
+def test_upload_script_against_a_fake_kfp(tmp_path, monkeypatch):
+    """files/upload_pipeline.py adds a version to an existing pipeline and replaces the schedule."""
+    calls = []
+
+    class Obj(types.SimpleNamespace):
+        pass
+
+    class FakeClient:
+        def __init__(self, host, namespace=None):
+            calls.append(("client", host))
+
+        def get_pipeline_id(self, name):
+            return "p1"
+
+        def upload_pipeline_version(self, path, pipeline_version_name, pipeline_id):
+            calls.append(("version", pipeline_version_name, Path(path).read_text()))
+            return Obj(pipeline_version_id="v2")
+
+        def create_experiment(self, name, namespace=None):
+            return Obj(experiment_id="e1")
+
+        def list_recurring_runs(self, experiment_id, page_size):
+            return Obj(recurring_runs=[Obj(display_name="alignflow-nightly", recurring_run_id="old"),
+                                       Obj(display_name="other", recurring_run_id="keep")])
+
+        def delete_recurring_run(self, run_id):
+            calls.append(("delete", run_id))
+
+        def create_recurring_run(self, **kwargs):
+            calls.append(("schedule", kwargs))
+
+    data = upload_config(render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))
+    for name, text in data.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setitem(sys.modules, "kfp", types.SimpleNamespace(Client=FakeClient))
+    monkeypatch.setattr(sys, "argv", ["x", str(tmp_path / "settings.json"), str(tmp_path / "post_training.yaml")])
+    runpy.run_path(str(tmp_path / "upload_pipeline.py"), run_name="__main__")
+    assert calls[0] == ("client", "http://ml-pipeline.kubeflow.svc.cluster.local:8888")
+    assert calls[1][1] == "0.1.0-r1" and "alignflow-post-training" in calls[1][2]
+    assert ("delete", "old") in calls and ("delete", "keep") not in calls
+    schedule = calls[-1][1]
+    assert schedule["cron_expression"] == "0 30 2 * * 1" and schedule["version_id"] == "v2"
+    assert schedule["params"] == {"model_name": "m"} and schedule["pipeline_id"] == "p1"
+
+
+def test_image_defaults_match_components_images(monkeypatch):
+    for var in ("ALIGNFLOW_IMAGE_REGISTRY", "ALIGNFLOW_IMAGE_TAG"):
+        monkeypatch.delenv(var, raising=False)
+    import importlib
+
+    import components.images as images
+
+    images = importlib.reload(images)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["image"]["registry"] == images.REGISTRY and values["image"]["tag"] == images.TAG
+
+
+def test_every_value_is_documented():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):\s*(\S.*)?$", line)
+        if not m or m.group(2) in ("requests", "limits") or not m.group(3):
+            continue  # block mappings are documented by their children
+        if not lines[i - 1].lstrip().startswith("#"):
+            undocumented.append(m.group(2))
+    assert not undocumented, undocumented

@@ -1,0 +1,123 @@
+"""The Dockerfiles pin what they install, run as a fixed non-root user and carry no credentials;
+images/build.sh tags every image from components/images.py."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = ROOT / "images"
+DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
+SECRET_WORDS = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL)", re.I)
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(
+        line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+            for line in text.splitlines() if line.strip()]
+
+
+def pip_specs(run_args: str) -> list[str]:
+    """Package arguments of every `pip install` in one RUN line (options and -r files excluded)."""
+    specs = []
+    for command in re.split(r"&&|;", run_args):
+        words = command.split()
+        if "pip" not in words[:2] or "install" not in words:
+            continue
+        args = words[words.index("install") + 1:]
+        skip = False
+        for word in args:
+            if skip:
+                skip = False
+            elif word in ("-r", "--requirement", "-c", "--constraint"):
+                skip = True
+            elif not word.startswith("-") and word != ".":
+                specs.append(word)
+    return specs
+
+
+def requirement_files(dockerfile: Path) -> list[Path]:
+    return [ROOT / src for op, args in instructions(dockerfile) if op == "COPY"
+            for src in args.split()[:-1] if src.endswith(".txt")]
+
+
+def test_every_image_is_there():
+    assert {d.parent.name for d in DOCKERFILES} >= {"trainer", "tools", "mlflow"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_base_image_is_pinned(dockerfile):
+    bases = [args.split()[0] for op, args in instructions(dockerfile) if op == "FROM"]
+    assert bases
+    for base in bases:
+        name = base.rsplit("/", 1)[-1]
+        assert "@sha256:" in base or (":" in name and not name.endswith(":latest")), base
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_every_pip_package_is_pinned(dockerfile):
+    specs = [s for op, args in instructions(dockerfile) if op == "RUN" for s in pip_specs(args)]
+    for path in requirement_files(dockerfile):
+        assert path.is_file(), path
+        specs += [line.split("#")[0].strip() for line in path.read_text().splitlines()
+                  if line.split("#")[0].strip()]
+    assert specs, "installs nothing?"
+    unpinned = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[A-Za-z0-9_,\-]+\])?==[^=<>!~*,]+", s)]
+    assert not unpinned, unpinned
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_runs_as_fixed_non_root_user(dockerfile):
+    users = [args.strip() for op, args in instructions(dockerfile) if op == "USER"]
+    assert users, "no USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, users[-1]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_no_credentials_baked_in(dockerfile):
+    for op, args in instructions(dockerfile):
+        if op in ("ENV", "ARG"):
+            names = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", args) or [args.split()[0]]
+            assert not [n for n in names if SECRET_WORDS.search(n)], f"{op} {args}"
+
+
+def test_trainer_image_has_the_gpu_stack_and_the_source_tree():
+    text = (IMAGES / "trainer" / "Dockerfile").read_text()
+    reqs = (IMAGES / "trainer" / "requirements.txt").read_text()
+    for package in ("torch==2.14", "vllm==0.33", "kfp==", "accelerate=="):
+        assert re.search(rf"^{re.escape(package)}", reqs, re.M), package
+    assert "deepspeed==" in text and "ARG ALIGNFLOW_GIT_SHA" in text
+    assert re.search(r"pip install .*--no-deps \.$", text, re.M), "alignflow is not installed from the source tree"
+    assert "COPY trainer" in text
+
+
+def test_tools_image_has_the_clients():
+    reqs = (IMAGES / "tools" / "requirements.txt").read_text()
+    for package in ("kfp==", "mlflow-skinny==", "s3fs"):
+        assert package in reqs
+
+
+def test_build_sh_tags_from_components_images(tmp_path):
+    """Run build.sh with a fake docker and check the tags it builds and pushes."""
+    fake = tmp_path / "docker"
+    log = tmp_path / "calls"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "DOCKER": str(fake), "ALIGNFLOW_IMAGE_REGISTRY": "reg.example/team",
+           "ALIGNFLOW_IMAGE_TAG": "9.9.9-test", "PYTHONPATH": str(ROOT)}
+    env.pop("ALIGNFLOW_TRAINER_IMAGE", None)
+    env.pop("ALIGNFLOW_TOOLS_IMAGE", None)
+    subprocess.run(["bash", str(IMAGES / "build.sh")], check=True, env=env, cwd=tmp_path)
+    calls = log.read_text().splitlines()
+    built = [c.split("--tag ")[1].split()[0] for c in calls if c.startswith("build")]
+    pushed = [c.split()[1] for c in calls if c.startswith("push")]
+    assert built == ["reg.example/team/trainer:9.9.9-test", "reg.example/team/tools:9.9.9-test",
+                     "reg.example/team/mlflow:9.9.9-test"]
+    assert pushed == built
+    assert all("ALIGNFLOW_GIT_SHA=" in c for c in calls if c.startswith("build"))
