@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.logprobs import TargetLogits
+from trainer.logprobs import TargetLogits, target_positions
 from trainer.loop import step_batches
 from trainer.tracking import Tracker
 
@@ -145,21 +145,19 @@ def is_wrapped(model) -> bool:
 
 
 def wrapped_target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
-                          attention_mask: torch.Tensor | None = None,
-                          position_ids: torch.Tensor | None = None) -> TargetLogits:
+                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          sources: torch.Tensor | None = None) -> TargetLogits:
     """`trainer.logprobs.target_logits` through the wrapper's own forward (see the module docstring).
 
     The LM head still skips most prompt positions: transformers' `logits_to_keep` keeps the last
     k positions, from the one predicting the first target on. For GRPO's right-aligned
     completions that is the completion block plus one. [B, T] -> TargetLogits with N targets.
     """
-    mask = target_mask.bool().clone()
-    mask[:, 0] = False
-    rows, cols = mask.nonzero(as_tuple=True)  # [N], [N]
-    first = int(cols.min()) - 1 if cols.numel() else input_ids.shape[1] - 1  # earliest predicting position
+    rows, cols, src = target_positions(target_mask, sources)
+    first = int(src.min()) if src.numel() else input_ids.shape[1] - 1  # earliest predicting position
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=input_ids.shape[1] - first).logits  # [B, T - first, V]
-    return TargetLogits(logits=logits[rows, cols - 1 - first], targets=input_ids[rows, cols], rows=rows, cols=cols)
+    return TargetLogits(logits=logits[rows, src - first], targets=input_ids[rows, cols], rows=rows, cols=cols)
 
 
 @contextlib.contextmanager

@@ -193,9 +193,7 @@ def mean_kl(model, ref_model, prompt_ids: list[list[int]], completions: list[Com
     total, tokens = 0.0, 0
     for start in range(0, len(prompt_ids), batch_size):
         sl = slice(start, start + batch_size)
-        batch = build_batch(prompt_ids[sl], [[c] for c in completions[sl]], pad_id)
-        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
-                                              for f in dataclasses.fields(batch)})
+        batch = build_batch(prompt_ids[sl], [[c] for c in completions[sl]], pad_id).to(device)
         diff = batched_logps(model, batch, batch_size) - batched_logps(ref_model, batch, batch_size)  # [B, T]
         mask = batch.completion_mask.bool()
         total += float(diff[mask].sum())

@@ -13,8 +13,10 @@ One generation cycle:
 
 Formulas live in `trainer/losses.py` (Shao et al. 2024 for GRPO, Yu et al. 2025 for DAPO's
 token-level loss and epsilon_high, Liu et al. 2025 for Dr. GRPO). Departures from TRL: the
-LM head runs only at completion positions, and the rollout engine's log-probs feed a truncated
-importance-sampling correction for the engine/trainer mismatch (Yao et al. 2025) by default.
+LM head runs only at completion positions; each group's prompt goes through the model once
+per micro-batch, not once per completion (`share_prompt`, `trainer.logprobs.share_prompts`);
+and the rollout engine's log-probs feed a truncated importance-sampling correction for the
+engine/trainer mismatch (Yao et al. 2025) by default.
 
 As in TRL, `per_device_batch_size` counts completions, and a cycle generates
 `per_device_batch_size * gradient_accumulation_steps` completions (that many / G prompts).
@@ -41,7 +43,7 @@ from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer.config import ConfigError, TrainConfig, _f
 from trainer.data import DataError, dataset_fingerprint, is_conversational, load_rows, render_chat
-from trainer.logprobs import entropy, selective_log_softmax, target_logits, to_padded
+from trainer.logprobs import entropy, selective_log_softmax, share_prompts, target_logits, to_padded
 from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed
 from trainer.losses import combine_rewards, group_advantages, policy_loss, rollout_is_weights
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
@@ -89,6 +91,9 @@ class GRPOConfig(TrainConfig):
     importance_sampling_correction: bool = _f(True, "Weight the loss by the truncated ratio of trainer to "
                                                      "rollout-engine probabilities (engine log-probs kept).")
     importance_sampling_cap: float = _f(3.0, "Cap of that importance ratio (token level).")
+    share_prompt: bool = _f(True, "Run each group's prompt through the model once per micro-batch instead of "
+                                  "once per completion (completions see it through a block attention mask; "
+                                  "same log-probs). Needs sdpa or eager attention; off for rows > 4096 tokens.")
     log_completions_steps: int = _f(10, "Log a table of sample prompts, completions and rewards every this many steps.")
     num_completions_to_log: int = _f(8, "Rows in that table.")
 
@@ -141,9 +146,11 @@ class RolloutBatch:
     rollout_logps: torch.Tensor  # [N, P+C] engine log-probs at completion tokens (0 elsewhere)
     completion_lengths: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool, hit max_completion_length without eos
+    prompt_width: int  # P: columns [0, P) hold the prompt
 
     def to(self, device) -> RolloutBatch:
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
 
 def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> RolloutBatch:
@@ -169,27 +176,58 @@ def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> Rollou
             rollout_logps[i, p_width:p_width + k] = torch.tensor(c.logprobs, dtype=torch.float)
         lengths[i] = k
         truncated[i] = c.finish_reason == "length"
-    return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated)
+    return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated, p_width)
 
 
-def token_logps(model, input_ids, attention_mask, completion_mask, with_entropy: bool = False):
-    """Per-token log-probs of completion tokens as [N, T] (zeros elsewhere), and their mean entropy.
+def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = False, group_size: int = 0):
+    """Per-token log-probs of the completion tokens of `batch.input_ids[rows]` as [n, T] (zeros
+    elsewhere), and their mean entropy.
 
+    With `group_size` G, groups of G rows that share a prompt run it once (`share_prompts`).
     `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
     forward, which is where it hooks the gradient all-reduce (trainer/distributed.py).
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
+    input_ids, attention_mask, completion_mask = batch.input_ids[rows], batch.attention_mask[rows], \
+        batch.completion_mask[rows]
     logits_of = distributed.wrapped_target_logits if distributed.is_wrapped(model) else target_logits
-    out = logits_of(model, input_ids, completion_mask, attention_mask, position_ids)
-    logps = to_padded(selective_log_softmax(out.logits, out.targets), out.rows, out.cols, input_ids.shape)
+    shared = None
+    if group_size and _can_share_prompts(model, batch.prompt_width + group_size * (input_ids.shape[1] -
+                                                                                   batch.prompt_width)):
+        shared = share_prompts(input_ids, attention_mask, completion_mask, batch.prompt_width, group_size,
+                               _model_dtype(model))
+    if shared is not None:
+        out = logits_of(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
+                        shared.sources)
+        out_rows, out_cols = shared.unshare(out.rows, out.cols)
+    else:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
+        out = logits_of(model, input_ids, completion_mask, attention_mask, position_ids)
+        out_rows, out_cols = out.rows, out.cols
+    logps = to_padded(selective_log_softmax(out.logits, out.targets), out_rows, out_cols, input_ids.shape)
     ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
     return logps, ent
 
 
+# Longest shared-prompt row: its [T, T] attention mask and the attention over it grow with T^2.
+MAX_SHARED_ROW = 4096
+
+
+def _can_share_prompts(model, row_length: int) -> bool:
+    """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    impl = getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
+    return impl in ("sdpa", "eager") and row_length <= MAX_SHARED_ROW
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+
 @torch.no_grad()
-def batched_logps(model, batch: RolloutBatch, size: int) -> torch.Tensor:
-    parts = [token_logps(model, batch.input_ids[i:i + size], batch.attention_mask[i:i + size],
-                         batch.completion_mask[i:i + size])[0] for i in range(0, len(batch.input_ids), size)]
+def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0) -> torch.Tensor:
+    parts = [token_logps(model, batch, slice(i, i + size), group_size=group_size)[0]
+             for i in range(0, len(batch.input_ids), size)]
     return torch.cat(parts)
 
 
@@ -273,6 +311,7 @@ def run_grpo(config: GRPOConfig) -> str:
                               stop_token_ids=[tokenizer.eos_token_id])
     pad_id = tokenizer.pad_token_id
     G, size = config.num_generations, config.per_device_batch_size
+    shared_group = G if config.share_prompt and size % G == 0 else 0  # micro-batches of whole groups
     window = MetricWindow()
     last_metrics: dict[str, float] = {}
     report = distributed.RankReport(accelerator)
@@ -339,14 +378,14 @@ def run_grpo(config: GRPOConfig) -> str:
             loss_mask = batch.completion_mask.clone()
             if config.mask_truncated_completions:
                 loss_mask[batch.truncated] = 0
-            old_logps = batched_logps(policy, batch, size) if config.num_iterations > 1 else None
+            old_logps = batched_logps(policy, batch, size, shared_group) if config.num_iterations > 1 else None
             ref_logps = None
             if config.beta > 0:
                 if ref_model is not None:
-                    ref_logps = batched_logps(ref_model, batch, size)
+                    ref_logps = batched_logps(ref_model, batch, size, shared_group)
                 else:
                     with model.disable_adapter():
-                        ref_logps = batched_logps(policy, batch, size)
+                        ref_logps = batched_logps(policy, batch, size, shared_group)
             timings["timing/reference"] = time.perf_counter() - t
 
             # update: num_iterations optimizer steps over the cycle
@@ -361,8 +400,7 @@ def run_grpo(config: GRPOConfig) -> str:
                 for i, start in enumerate(micro_batches):
                     sl = slice(start, start + size)
                     with distributed.micro_batch(accelerator, policy, last=i == accum - 1):
-                        logps, ent = token_logps(policy, batch.input_ids[sl], batch.attention_mask[sl],
-                                                 batch.completion_mask[sl], with_entropy=True)
+                        logps, ent = token_logps(policy, batch, sl, with_entropy=True, group_size=shared_group)
                         mask = loss_mask[sl]
                         behaviour = old_logps[sl] if old_logps is not None else logps.detach()
                         is_weights, is_stats = None, {}

@@ -37,28 +37,97 @@ def _causal_lm_parts(model):
     return decoder, head
 
 
-def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None) -> TargetLogits:
-    """Logits for every token marked in `target_mask` [B, T], predicted from the token before it.
+def target_positions(target_mask: torch.Tensor, sources: torch.Tensor | None = None):
+    """(rows, cols, predictor cols) of the targets in `target_mask` [B, T]; each [N].
 
-    A target at position t is predicted by the hidden state at t - 1, so position 0 can never
-    be a target. Packed rows pass `position_ids` (restarting at 0 per example) and no
-    attention mask; transformers then builds a block-diagonal causal mask.
+    A target at column t is predicted by the hidden state at `sources[row, t]`, by default t - 1
+    (so column 0 can never be a target without `sources`).
     """
     mask = target_mask.bool().clone()
-    mask[:, 0] = False
-    rows, cols = mask.nonzero(as_tuple=True)  # [N], [N]
+    if sources is None:
+        mask[:, 0] = False
+    rows, cols = mask.nonzero(as_tuple=True)
+    return rows, cols, cols - 1 if sources is None else sources[rows, cols]
+
+
+def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  sources: torch.Tensor | None = None) -> TargetLogits:
+    """Logits for every token marked in `target_mask` [B, T], predicted from the token before it
+    (or from the column `sources` [B, T] names, see `share_prompts`).
+
+    Packed rows pass `position_ids` (restarting at 0 per example) and no attention mask;
+    transformers then builds a block-diagonal causal mask. A 4D `attention_mask` is used as given.
+    """
+    rows, cols, src = target_positions(target_mask, sources)
     parts = _causal_lm_parts(model)
     if parts is None:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        logits = out.logits[rows, cols - 1]
+        logits = out.logits[rows, src]
     else:
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state  # [B, T, H]
-        logits = head(hidden[rows, cols - 1])  # [N, V]
+        logits = head(hidden[rows, src])  # [N, V]
     return TargetLogits(logits=logits, targets=input_ids[rows, cols], rows=rows, cols=cols)
+
+
+@dataclass
+class SharedPrompts:
+    """Groups of completions that share one prompt, laid out so the prompt is run once per group.
+
+    Row r holds group r as [prompt | completion 1 | ... | completion G]: the (left-padded) prompt,
+    then each completion in its own block of the completions' width. A 4D additive mask lets
+    every completion see the prompt and its own earlier tokens only, and position ids restart
+    after the prompt in every block, so each completion's log-probs are those of the usual
+    [prompt, completion] row up to float rounding: the prompt's share of the compute and its
+    backward happen once per group instead of G times.
+    """
+
+    input_ids: torch.Tensor  # [B/G, P + G*C]
+    attention_mask: torch.Tensor  # [B/G, 1, P + G*C, P + G*C] additive (0 = attend)
+    position_ids: torch.Tensor  # [B/G, P + G*C]
+    target_mask: torch.Tensor  # [B/G, P + G*C] the completion tokens
+    sources: torch.Tensor  # [B/G, P + G*C] column whose hidden state predicts each token
+    prompt_width: int
+    group_size: int
+
+    def unshare(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map per-target (rows, cols) of this layout back to the usual [B, P + C] rows: (rows, cols)."""
+        offset = cols - self.prompt_width
+        width = (self.input_ids.shape[1] - self.prompt_width) // self.group_size
+        return rows * self.group_size + offset // width, self.prompt_width + offset % width
+
+
+def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                  prompt_width: int, group_size: int, dtype: torch.dtype) -> SharedPrompts | None:
+    """The `SharedPrompts` layout of B rows [left-padded prompt | right-padded completion] in which
+    rows g*G .. g*G+G-1 share a prompt; None when they do not (or B is not a multiple of G)."""
+    n, width = input_ids.shape
+    G, P, C = group_size, prompt_width, width - prompt_width
+    if G < 2 or n % G or not 0 < P < width:
+        return None
+    prompts = input_ids[:, :P].view(n // G, G, P)
+    prompt_att = attention_mask[:, :P].view(n // G, G, P)
+    if not (torch.equal(prompts, prompts[:, :1].expand_as(prompts))
+            and torch.equal(prompt_att, prompt_att[:, :1].expand_as(prompt_att))):
+        return None
+    prompt_att = prompt_att[:, 0]  # [B/G, P]
+    ids = torch.cat([prompts[:, 0], input_ids[:, P:].reshape(n // G, G * C)], dim=1)
+    key_ok = torch.cat([prompt_att, attention_mask[:, P:].reshape(n // G, G * C)], dim=1).bool()
+    targets = torch.cat([torch.zeros_like(prompt_att), completion_mask[:, P:].reshape(n // G, G * C)], dim=1)
+    device = input_ids.device
+    block = torch.cat([torch.full((P,), -1, device=device), torch.arange(G, device=device).repeat_interleave(C)])
+    offset = torch.cat([torch.zeros(P, dtype=torch.long, device=device), torch.arange(C, device=device).repeat(G)])
+    prompt_len = prompt_att.sum(1, keepdim=True)  # [B/G, 1]
+    positions = torch.cat([(prompt_att.cumsum(1) - 1).clamp(min=0), prompt_len + offset[P:]], dim=1)
+    col = torch.arange(P + G * C, device=device)
+    sources = torch.where((block >= 0) & (offset == 0), P - 1, col - 1).expand(n // G, -1)
+    # query q may see key k: k <= q, k in the prompt or in q's own block, k not padding (and itself).
+    visible = (col[None, :] <= col[:, None]) & ((block[None, :] < 0) | (block[None, :] == block[:, None]))
+    allowed = (visible[None] & key_ok[:, None, :]) | torch.eye(P + G * C, dtype=torch.bool, device=device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return SharedPrompts(ids, mask[:, None], positions, targets, sources, P, G)
 
 
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

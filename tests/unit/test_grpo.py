@@ -10,8 +10,11 @@ from safetensors.torch import load_file
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError
 from trainer.data import DataError
-from trainer.grpo import GRPOConfig, run_grpo
+from trainer.grpo import GRPOConfig, build_batch, run_grpo, token_logps
+from trainer.logprobs import share_prompts
+from trainer.models import load_causal_lm
 from trainer.rewards import RewardError
+from trainer.rollout.base import Completion
 
 TARGET = "a"
 
@@ -101,6 +104,49 @@ def test_chat_prompts_and_extra_columns_reach_rewards(tiny_model, tmp_path):
                          reward_weights=[1.0, 0.5]))
     last = ckpt.read_history(str(tmp_path / "out"))[-1]
     assert "rewards/needs_column/mean" in last and last["rewards/reward_none_for_first/mean"] == 0.5
+
+
+def test_shared_prompt_rows_give_the_same_logps_and_gradients(tiny_model):
+    """Running each group's prompt once (block attention mask) changes nothing but the cost."""
+    model = load_causal_lm(tiny_model, "float32")
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist()
+
+    lengths = [(9, 3, 9, 0), (5, 9, 1, 9)]  # ragged completions, one empty
+    completions = [[Completion(ids(n), [0.0] * n, "length") for n in group] for group in lengths]
+    batch = build_batch([ids(23), ids(11)], completions, pad_id=0)  # prompts of different lengths
+    results = []
+    for group_size in (0, 4):
+        model.zero_grad()
+        logps, ent = token_logps(model, batch, slice(0, 8), with_entropy=True, group_size=group_size)
+        (logps * torch.linspace(-1, 1, logps.shape[1])).sum().backward()
+        results.append((logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_ent, plain_grads), (shared, shared_ent, shared_grads) = results
+    assert torch.equal(shared != 0, batch.completion_mask.bool())
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+    assert shared_ent == pytest.approx(plain_ent, abs=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    # Rows whose prompts differ inside a group are not shared.
+    assert share_prompts(batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_width, 8,
+                         torch.float32) is None
+
+
+def test_share_prompt_trains_like_unshared(tiny_model, tmp_path):
+    """One cycle (reference model, old log-probs, two optimizer steps): same weights either way."""
+    weights = []
+    for share in (True, False):
+        out = tmp_path / f"share-{share}"
+        run_grpo(grpo_config(tiny_model, tmp_path, share_prompt=share, beta=0.1, num_iterations=2, max_steps=2,
+                             per_device_batch_size=8, gradient_accumulation_steps=2, output_dir=str(out)))
+        weights.append(load_file(out / "model.safetensors"))
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    assert any(not torch.equal(weights[0][k], start[k]) for k in start)
+    for k in start:
+        # Adam turns float-rounding differences of near-zero gradients into steps of up to 1% of lr.
+        torch.testing.assert_close(weights[0][k], weights[1][k], atol=1e-4, rtol=0, msg=k)
 
 
 def test_resume_matches_straight_run(tiny_model, tmp_path):
