@@ -17,6 +17,7 @@ previous complete checkpoint or a folder that readers skip.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -216,3 +217,42 @@ def load_training_state(ckpt_local: str, optimizer, scheduler) -> TrainState:
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     return TrainState(**json.loads((state_dir / "state.json").read_text()))
+
+
+class StageRun:
+    """The bookkeeping a single-process training stage keeps beside its model: the training state
+    (restored when resuming), its MLflow run (continued when resuming), the datasets it read,
+    the last logged metrics, and how it builds its manifest and saves checkpoints."""
+
+    def __init__(self, stage: str, config: Any, model, tokenizer, optimizer, scheduler, resume: str | None,
+                 datasets: dict[str, dict]) -> None:
+        self.stage, self.config, self.datasets = stage, config, datasets
+        self.model, self.tokenizer, self.optimizer, self.scheduler = model, tokenizer, optimizer, scheduler
+        self.resume = resume
+        self.state = load_training_state(resume, optimizer, scheduler) if resume else TrainState()
+        self.last_metrics: dict[str, float] = {}
+
+    @functools.cached_property
+    def tracker(self):
+        """The stage's MLflow run, opened on first use (a stage opens it once its setup can no longer fail)."""
+        from trainer.tracking import Tracker
+
+        tracker = Tracker(self.config, self.stage, run_id=self.state.mlflow_run_id)
+        if self.resume:
+            tracker.history[:] = read_history(self.resume)
+        self.state.mlflow_run_id = tracker.run_id
+        return tracker
+
+    def manifest(self) -> dict[str, Any]:
+        return build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
+                              self.state.global_step)
+
+    def save(self, kind: str) -> None:
+        """Save a resumable step checkpoint (`kind="step"`) or the final model (`"final"`)."""
+        common = dict(model=self.model, tokenizer=self.tokenizer, history=self.tracker.history,
+                      manifest=self.manifest(), merge_lora=self.config.lora_merge_on_save)
+        if kind == "step":
+            save_step_checkpoint(self.config.output_dir, self.state.global_step, self.config.save_total_limit,
+                                 state=self.state, optimizer=self.optimizer, scheduler=self.scheduler, **common)
+        else:
+            save_checkpoint(self.config.output_dir, **common)

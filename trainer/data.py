@@ -345,3 +345,14 @@ def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def dataset_fingerprint(ds: datasets.Dataset) -> str:
     return getattr(ds, "_fingerprint", "") or ""
+
+
+def describe_datasets(config, rows: datasets.Dataset, eval_rows: datasets.Dataset | None,
+                      train_counts: dict[str, int], eval_counts: dict[str, int] | None = None) -> dict[str, dict]:
+    """The manifest's `datasets`: path, fingerprint and sizes of the training (and eval) data."""
+    info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows), "rows": len(rows),
+                      **train_counts}}
+    if eval_rows is not None:
+        info["eval"] = {"path": config.eval_dataset or "split", "fingerprint": dataset_fingerprint(eval_rows),
+                        "rows": len(eval_rows), **(eval_counts or {})}
+    return info

@@ -41,7 +41,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, TrainConfig, _f
 from trainer.data import (
-    dataset_fingerprint,
+    describe_datasets,
     is_conversational,
     load_rows,
     pack_best_fit,
@@ -63,7 +63,6 @@ from trainer.losses import dpo_loss
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.preferences import PreferenceText, load_pairs
 from trainer.storage import fetch_to_local, is_remote
-from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +466,10 @@ def run_dpo(config: DPOConfig) -> str:
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, steps)
-    state = ckpt.load_training_state(resume, optimizer, scheduler) if resume else ckpt.TrainState()
+    run = ckpt.StageRun("dpo", config, model, tokenizer, optimizer, scheduler, resume,
+                        describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
+                                          {"pairs": len(eval_data)} if eval_data is not None else None))
+    state = run.state
 
     # 3. The reference: restored scores, precomputed scores, or a model scoring every batch.
     splits = {"train": train_data, **({"eval": eval_data} if eval_data else {})}
@@ -495,34 +497,12 @@ def run_dpo(config: DPOConfig) -> str:
         reference.model = None  # training needs only the scores
         state.extra["ref_logps"] = {k: v.tolist() for k, v in reference.cache.items()}
         log.info("Reference log-probs of %s ready in %.1fs.", " and ".join(splits), time.perf_counter() - ref_started)
-
-    tracker = Tracker(config, "dpo", run_id=state.mlflow_run_id)
-    if resume:
-        tracker.history[:] = ckpt.read_history(resume)
-    state.mlflow_run_id = tracker.run_id
-    datasets_info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows),
-                               "rows": len(rows), "pairs": len(train_data)}}
-    if eval_rows is not None:
-        datasets_info["eval"] = {"path": config.eval_dataset or "split", "fingerprint": dataset_fingerprint(eval_rows),
-                                 "rows": len(eval_rows), "pairs": len(eval_data)}
-
-    def manifest(metrics: dict[str, float]) -> dict:
-        return ckpt.build_manifest("dpo", config, config.model, datasets_info, metrics, state.global_step)
-
-    def save(dest_kind: str) -> None:
-        common = dict(model=model, tokenizer=tokenizer, history=tracker.history,
-                      manifest=manifest(last_metrics), merge_lora=config.lora_merge_on_save)
-        if dest_kind == "step":
-            ckpt.save_step_checkpoint(config.output_dir, state.global_step, config.save_total_limit, state=state,
-                                      optimizer=optimizer, scheduler=scheduler, **common)
-        else:
-            ckpt.save_checkpoint(config.output_dir, **common)
+    tracker = run.tracker
 
     # 4. The loop.
     pad_id = tokenizer.pad_token_id
     pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
     window = MetricWindow()
-    last_metrics: dict[str, float] = {}
     progress = Progress(steps, state.global_step, "dpo", config.disable_progress_bar)
     loop_started = time.perf_counter()
     try:
@@ -549,10 +529,10 @@ def run_dpo(config: DPOConfig) -> str:
                 if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
                     logged.update(evaluate(model, eval_data, reference, config, pad_id, pack_to))
                 tracker.log_metrics(logged, step)
-                last_metrics = logged
+                run.last_metrics = logged
             progress.update(step, logged)
             if config.save_steps and step % config.save_steps == 0 and step != steps:
-                save("step")
+                run.save("step")
         progress.close()
         loop_runtime = time.perf_counter() - loop_started
 
@@ -560,11 +540,11 @@ def run_dpo(config: DPOConfig) -> str:
         if eval_data:
             final_eval = evaluate(model, eval_data, reference, config, pad_id, pack_to)
             tracker.log_metrics(final_eval, state.global_step)
-            last_metrics = {**last_metrics, **final_eval}
-        last_metrics.update(train_runtime=time.perf_counter() - started, data_runtime=data_runtime,
+            run.last_metrics = {**run.last_metrics, **final_eval}
+        run.last_metrics.update(train_runtime=time.perf_counter() - started, data_runtime=data_runtime,
                             loop_runtime=loop_runtime)
-        save("final")
-        tracker.log_dict(manifest(last_metrics), ckpt.MANIFEST)
+        run.save("final")
+        tracker.log_dict(run.manifest(), ckpt.MANIFEST)
         if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
             tracker.log_artifacts(config.output_dir, "checkpoint")
         tracker.finish()

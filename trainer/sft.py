@@ -25,7 +25,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import TokenizedSFT, dataset_fingerprint, load_rows, pack_best_fit, split_eval, tokenize_sft
+from trainer.data import TokenizedSFT, describe_datasets, load_rows, pack_best_fit, split_eval, tokenize_sft
 from trainer.logprobs import entropy, selective_log_softmax, target_logits
 from trainer.loop import (
     MetricWindow,
@@ -39,7 +39,6 @@ from trainer.loop import (
 )
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.storage import fetch_to_local, is_remote
-from trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -216,34 +215,13 @@ def run_sft(config: SFTConfig) -> str:
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, steps)
-    state = ckpt.load_training_state(resume, optimizer, scheduler) if resume else ckpt.TrainState()
-    tracker = Tracker(config, "sft", run_id=state.mlflow_run_id)
-    if resume:
-        tracker.history[:] = ckpt.read_history(resume)
-    state.mlflow_run_id = tracker.run_id
-    datasets_info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows),
-                               "rows": len(rows), "examples": len(train_data)}}
-    if eval_rows is not None:
-        datasets_info["eval"] = {"path": config.eval_dataset or "split", "fingerprint": dataset_fingerprint(eval_rows),
-                                 "rows": len(eval_rows)}
-
-    def manifest(metrics: dict[str, float]) -> dict:
-        return ckpt.build_manifest("sft", config, config.model, datasets_info, metrics, state.global_step)
-
-    def save(dest_kind: str) -> None:
-        common = dict(model=model, tokenizer=tokenizer, history=tracker.history,
-                      manifest=manifest(last_metrics), merge_lora=config.lora_merge_on_save)
-        if dest_kind == "step":
-            ckpt.save_step_checkpoint(config.output_dir, state.global_step, config.save_total_limit, state=state,
-                                      optimizer=optimizer, scheduler=scheduler, **common)
-        else:
-            ckpt.save_checkpoint(config.output_dir, **common)
-
+    run = ckpt.StageRun("sft", config, model, tokenizer, optimizer, scheduler, resume,
+                        describe_datasets(config, rows, eval_rows, {"examples": len(train_data)}))
+    state, tracker = run.state, run.tracker
     # 3. The loop.
     pad_id = tokenizer.pad_token_id
     units_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
     window = MetricWindow()
-    last_metrics: dict[str, float] = {}
     progress = Progress(steps, state.global_step, "sft", config.disable_progress_bar)
     try:
         while state.global_step < steps:
@@ -271,26 +249,26 @@ def run_sft(config: SFTConfig) -> str:
                 if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
                     logged.update(evaluate(model, eval_data, config.per_device_batch_size, pad_id))
                 tracker.log_metrics(logged, step)
-                last_metrics = logged
+                run.last_metrics = logged
             progress.update(step, logged)
             if config.save_steps and step % config.save_steps == 0 and step != steps:
-                save("step")
+                run.save("step")
         progress.close()
 
         # 4. Final evaluation, samples and the model.
         if eval_data:
             final_eval = evaluate(model, eval_data, config.per_device_batch_size, pad_id)
             tracker.log_metrics(final_eval, state.global_step)
-            last_metrics = {**last_metrics, **final_eval}
+            run.last_metrics = {**run.last_metrics, **final_eval}
         if config.num_sample_completions:
             prompts = _prompt_texts(eval_rows if eval_rows is not None else rows, tokenizer,
                                     config.num_sample_completions)
             if prompts:
                 completions = sample_completions(model, tokenizer, prompts, config.sample_max_new_tokens)
                 tracker.log_table({"prompt": prompts, "completion": completions}, "samples/completions.json")
-        last_metrics["train_runtime"] = time.perf_counter() - started
-        save("final")
-        tracker.log_dict(manifest(last_metrics), ckpt.MANIFEST)
+        run.last_metrics["train_runtime"] = time.perf_counter() - started
+        run.save("final")
+        tracker.log_dict(run.manifest(), ckpt.MANIFEST)
         if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
             tracker.log_artifacts(config.output_dir, "checkpoint")
         tracker.finish()
