@@ -81,17 +81,24 @@ def _log_metrics(metrics_artifact, metrics: dict[str, float]) -> None:
 def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: str, model_out, metrics_out,
                 report_out, parent_run_id: str = "", extra: dict[str, Any] | None = None) -> None:
     """Run one training stage from a component: config from the pipeline's structured parameter,
-    model/dataset/output from the artifacts."""
+    model/dataset/output from the artifacts. With `nodes` > 1 in the config the stage runs as a
+    TrainJob/PyTorchJob on that many nodes (components/trainjob.py) and this task waits for it."""
+    from components import trainjob
     from trainer.cli import stage_parts
     from trainer.config import config_from_dict
 
     _setup()
     config_cls, run = stage_parts(stage)
+    multi, config = trainjob.split_config(config)
     values = {**PIPELINE_DEFAULTS, **config, **(extra or {}), "model": model_in, "dataset": dataset,
               "output_dir": model_out.path}
     if parent_run_id:
         values["mlflow_parent_run_id"] = parent_run_id
-    run(config_from_dict(config_cls, values))
+    if multi.nodes > 1:
+        trainjob.run_stage(stage, values, multi, model_out=model_out)
+    else:
+        multi.check(stage)
+        run(config_from_dict(config_cls, values))
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
     history = ckpt.read_history(model_out.path)

@@ -86,6 +86,7 @@ def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = No
 
 def validate(config: PipelineConfig, promotion: bool = True) -> None:
     """Check every stage option, dataset and service the run will touch, before any task starts."""
+    from components.trainjob import split_config
     from trainer.cli import stage_parts
     from trainer.evaluate import EvalConfig
 
@@ -101,7 +102,9 @@ def validate(config: PipelineConfig, promotion: bool = True) -> None:
     for section in ("sft", "reward", "dpo", "grpo"):
         config_cls, _ = stage_parts(section)
         try:
-            config_from_dict(config_cls, {**getattr(config, section), **placeholders})
+            # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
+            multi, stage_values = split_config(getattr(config, section))
+            multi.check(section, config_from_dict(config_cls, {**stage_values, **placeholders}))
         except ConfigError as err:
             raise ConfigError(f"In the `{section}` section of the pipeline config: {err}") from None
     try:
@@ -114,6 +117,15 @@ def validate(config: PipelineConfig, promotion: bool = True) -> None:
         _check_exists(name, uri)
     if promotion:
         _check_tracking()
+
+
+def _check_single_node(config: PipelineConfig) -> None:
+    from components.trainjob import split_config
+
+    multi = [s for s in ("sft", "reward", "dpo", "grpo") if split_config(getattr(config, s))[0].nodes > 1]
+    if multi:
+        raise ConfigError(f"`nodes` > 1 in the {', '.join(multi)} section: a local run trains on this machine; the "
+                          "multi-node job needs a Kubeflow cluster (`alignflow pipeline submit`). Remove `nodes`.")
 
 
 def _check_exists(name: str, uri: str) -> None:
@@ -165,6 +177,7 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_path / 'mlflow.db'}")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     validate(config)
+    _check_single_node(config)
     local_root = output_path / "pipeline-root"
     if pipeline_root and storage.is_remote(pipeline_root):
         os.environ["ALIGNFLOW_PIPELINE_ROOT"] = pipeline_root  # components mirror their outputs there

@@ -1,0 +1,424 @@
+"""A stage on several nodes: a Kubeflow Trainer `TrainJob` (or a Training Operator `PyTorchJob`)
+that runs the stage's own entry point under `accelerate launch` with DeepSpeed, submitted and
+followed from the KFP task.
+
+`launcher.train_stage` comes here when a stage's pipeline config says `nodes: N` with N > 1:
+
+1. **Config.** The multi-node keys (`MultiNode`) are split off; the rest is the stage config, checked
+   as the single-node path checks it, and handed to the pods as JSON in ALIGNFLOW_STAGE_CONFIG (an
+   ordinary env var: it holds options and URIs; credentials come from the Secrets, by reference).
+2. **Inputs and outputs.** The pods cannot see the task's local artifact paths (KFP copies inputs
+   to /s3/..., /minio/... inside the task's own pod), so they get the artifacts' object-store URIs
+   (KFP's own path -> URI mapping; minio:// is read as s3://, the endpoint being AWS_ENDPOINT_URL).
+   Each node copies the inputs to its disk once before its ranks start (`prepare-config`): N ranks
+   fetching one URI into one cache folder would overwrite each other's files. The stage writes to
+   `<output artifact URI>.staging`; after the job succeeds the task downloads the final model, only
+   when `alignflow.complete` is there, into the output artifact's path, and KFP uploads it as it
+   does for a single-node stage.
+3. **Launch.** Every pod runs `accelerate launch` with the repository's accelerate/DeepSpeed config
+   (the image's working directory is the repository root), `--num_machines N`, its rank and the
+   rendezvous address from the operator's environment (TrainJob's torch plugin: PET_NODE_RANK,
+   PET_MASTER_ADDR, PET_MASTER_PORT; PyTorchJob: RANK, MASTER_ADDR, MASTER_PORT) and
+   `--deepspeed_multinode_launcher standard` (torchrun on every node; accelerate's default, pdsh,
+   needs ssh between pods).
+4. **The vLLM sidecar** (GRPO, `rollout_engine: vllm-server`) runs in the same pods, as it does on one
+   node: each node gets one GPU more than it has training ranks, and each rank starts its vLLM
+   server as a child process on that GPU (`vllm_server_devices`, docs/scaling.md). Not a container of
+   its own: a TrainJob cannot add containers to its pods (its `runtimePatches` only patch the env,
+   mounts and security context of containers the runtime already has), and the trainer owns the
+   server's life cycle (it starts it from the model it trains, pushes weights to it through a file
+   and stops it).
+5. **Wait.** `components.kubejob.submit_and_wait` creates the job, streams the rank-0 pod's log into
+   the task's log, polls the job's conditions, raises with the job's reason when it fails, and
+   deletes the job when it succeeds or when the task is stopped (KFP cancels a task with SIGTERM).
+
+Resources: each node asks for `gpus_per_node` GPUs (+1 for the vLLM servers), CPUs and memory per
+GPU as `pipelines.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
+/dev/shm, and the S3 / MLflow Secrets of `pipelines.kubernetes.SECRET_ENV`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.images import TRAINER_IMAGE
+from components.kubejob import KINDS, submit_and_wait
+from pipelines.kubernetes import SECRET_ENV, TRAINING
+from trainer import storage
+from trainer.config import ConfigError, _f
+
+CONFIG_ENV = "ALIGNFLOW_STAGE_CONFIG"
+CONFIG_FILE = "/tmp/alignflow-stage.json"
+ACCELERATE_CONFIGS = "trainer/configs/accelerate"  # relative to the repository root = the image's WORKDIR
+CPU_PER_GPU, MEMORY_GI_PER_GPU = int(TRAINING.cpu), 32  # what the pipeline gives a one-GPU training task
+INPUT_KEYS = ("model", "dataset", "eval_dataset", "ref_model", "reward_funcs")  # stage fields naming inputs
+MULTI_NODE_STAGES = ("grpo",)  # stages whose loop runs as several ranks (trainer/distributed.py)
+ISTIO_INJECT = "sidecar.istio.io/inject"  # an injected proxy would keep a finished pod running
+PATCH_MANAGER = "alignflow/launcher"  # owner of this launcher's entry in a TrainJob's runtimePatches
+
+
+@dataclass
+class MultiNode:
+    """Keys of a stage's pipeline config that say how it runs on several nodes (none reach the stage)."""
+
+    nodes: int = _f(
+        1, "Nodes (pods) to train on; more than 1 submits a TrainJob or PyTorchJob and waits for it."
+    )
+    gpus_per_node: int = _f(1, "Training processes per node, one per GPU.")
+    job_kind: str = _f(
+        "TrainJob",
+        "TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1) or PyTorchJob "
+        "(Training Operator v1, kubeflow.org/v1).",
+        choices=("TrainJob", "PyTorchJob"),
+    )
+    training_runtime: str = _f("torch-distributed", "The ClusterTrainingRuntime a TrainJob runs on.")
+    deepspeed: str = _f(
+        "zero2",
+        "DeepSpeed ZeRO stage (trainer/configs/accelerate/deepspeed_<value>.yaml), or none "
+        "for plain data parallelism (DDP).",
+        choices=("zero2", "zero3", "none"),
+    )
+    mixed_precision: str = _f("bf16", "accelerate's --mixed_precision.", choices=("bf16", "fp16", "no"))
+    cpu_per_node: str = _f("", f"CPU request of each node; empty = {CPU_PER_GPU} per GPU.")
+    memory_per_node: str = _f(
+        "", f"Memory request and limit of each node; empty = {MEMORY_GI_PER_GPU}Gi per GPU."
+    )
+    shm_size: str = _f(
+        TRAINING.shm_size, "Size of the memory-backed /dev/shm of each node (NCCL, DataLoader)."
+    )
+    accelerator: str = _f(TRAINING.accelerator, "Extended resource name of the GPUs.")
+    node_selector: dict = _f({}, "Node labels the pods must match.")
+    tolerations: list = _f(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
+
+    def check(self, stage: str, stage_config: Any = None) -> None:
+        """Errors that say what to change; `stage_config` (the parsed stage config) enables the GRPO checks."""
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`{name}` must be a whole number >= 1, got {getattr(self, name)}.")
+        if self.nodes == 1:
+            return
+        if stage not in MULTI_NODE_STAGES:
+            raise ConfigError(
+                f"`nodes: {self.nodes}`: only the {', '.join(MULTI_NODE_STAGES)} stage trains on several "
+                f"processes so far; remove `nodes` from the `{stage}` section."
+            )
+        engine = getattr(stage_config, "rollout_engine", "hf")
+        if engine == "vllm":
+            raise ConfigError(
+                "rollout_engine=vllm runs vLLM inside the training process, one process only; with "
+                "`nodes` > 1 use vllm-server (a server per rank on a GPU of its own) or hf."
+            )
+        if engine == "vllm-server":
+            if stage_config.vllm_server_devices not in (None, "", str(self.gpus_per_node)):
+                raise ConfigError(
+                    f"`vllm_server_devices` is set by the multi-node launcher (GPU "
+                    f"{self.gpus_per_node} of each node, after the training GPUs); remove it."
+                )
+            share = self.gpus_per_node * stage_config.vllm_gpu_memory_utilization
+            if share >= 1:
+                raise ConfigError(
+                    f"The {self.gpus_per_node} ranks of a node each start a vLLM server on the node's "
+                    f"rollout GPU, each taking vllm_gpu_memory_utilization="
+                    f"{stage_config.vllm_gpu_memory_utilization} of it ({share:.2f} in all); set it "
+                    f"below {1 / self.gpus_per_node:.3f} or lower gpus_per_node."
+                )
+
+    def resources(self, gpus: int) -> dict[str, dict[str, str]]:
+        cpu = self.cpu_per_node or str(CPU_PER_GPU * gpus)
+        memory = self.memory_per_node or f"{MEMORY_GI_PER_GPU * gpus}Gi"
+        return {
+            "requests": {"cpu": cpu, "memory": memory, self.accelerator: str(gpus)},
+            "limits": {"memory": memory, self.accelerator: str(gpus)},
+        }
+
+
+def split_config(config: dict[str, Any]) -> tuple[MultiNode, dict[str, Any]]:
+    """(the multi-node keys as a `MultiNode`, the rest: the stage's own config). Type errors name the key."""
+    fields = {f.name: f for f in dataclasses.fields(MultiNode)}
+    values = {}
+    for name, value in config.items():
+        if name in fields:
+            values[name] = _coerce(fields[name], value)
+    return MultiNode(**values), {k: v for k, v in config.items() if k not in fields}
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(default, int):  # KFP's structured parameters turn ints into floats
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        ):
+            raise ConfigError(f"`{f.name}` must be a whole number >= 1, got {value!r}.")
+        return int(value)
+    if not isinstance(value, type(default)):
+        raise ConfigError(f"`{f.name}` must be a {type(default).__name__}, got {value!r}.")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"`{f.name}` must be one of {', '.join(choices)}, got {value!r}.")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# The manifest (pure)
+
+
+def node_script(stage: str, multi: MultiNode) -> str:
+    """The shell script every pod runs: copy the inputs to this node, then start this node's ranks."""
+    if multi.deepspeed == "none":
+        flags = {"--multi_gpu": None}
+    else:
+        config = f"{ACCELERATE_CONFIGS}/deepspeed_{multi.deepspeed}.yaml"
+        flags = {"--config_file": config, "--deepspeed_multinode_launcher": "standard"}
+    flags |= {
+        "--num_machines": multi.nodes,
+        "--num_processes": multi.nodes * multi.gpus_per_node,  # accelerate counts all machines' processes
+        "--gpu_ids": ",".join(str(i) for i in range(multi.gpus_per_node)),
+        "--mixed_precision": multi.mixed_precision,
+        "--same_network": None,
+        "--rdzv_backend": "static",
+    }
+    launch = ["accelerate", "launch", *(str(x) for kv in flags.items() for x in kv if x is not None)]
+    # TrainJob's torch plugin sets PET_*; a PyTorchJob sets RANK (the node's) and MASTER_*.
+    rank = (
+        '--machine_rank "${PET_NODE_RANK:-${RANK}}" --main_process_ip "${PET_MASTER_ADDR:-${MASTER_ADDR}}" '
+        '--main_process_port "${PET_MASTER_PORT:-${MASTER_PORT}}"'
+    )
+    stage_cmd = shlex.join(["-m", "trainer.cli", "train", stage, "--config", CONFIG_FILE])
+    prepare = shlex.join(["python", "-m", "components.trainjob", "prepare-config", CONFIG_FILE])
+    return f"set -euo pipefail\n{prepare}\nexec {shlex.join(launch)} {rank} {stage_cmd}"
+
+
+def secret_env() -> list[dict[str, Any]]:
+    """The S3 and MLflow variables, by reference to the Secrets the pipeline's tasks read (optional keys)."""
+    return [
+        {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+        for secret, keys in SECRET_ENV.items()
+        for key, env in keys.items()
+    ]
+
+
+def render(
+    stage: str, values: dict[str, Any], multi: MultiNode, *, name: str, image: str = TRAINER_IMAGE
+) -> dict[str, Any]:
+    """The TrainJob or PyTorchJob running `stage` with the stage config `values` on `multi.nodes` nodes."""
+    gpus = multi.gpus_per_node
+    if values.get("rollout_engine") == "vllm-server":
+        # One more GPU per node, after the training ones; the vLLM servers of the node's ranks share it.
+        values = {**values, "vllm_server_devices": str(multi.gpus_per_node)}
+        gpus += 1
+    env = [{"name": CONFIG_ENV, "value": json.dumps(values, sort_keys=True)}, *secret_env()]
+    command = ["bash", "-c", node_script(stage, multi)]
+    shm_volume = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": multi.shm_size}}
+    shm_mount = {"name": "dshm", "mountPath": "/dev/shm"}
+    placement = {"tolerations": multi.tolerations}
+    if multi.node_selector:
+        placement["nodeSelector"] = multi.node_selector
+    labels = {"app.kubernetes.io/name": "alignflow", "app.kubernetes.io/component": stage.replace("_", "-")}
+    metadata = {"name": name, "labels": labels}
+    pod_metadata = {"annotations": {ISTIO_INJECT: "false"}}
+    if multi.job_kind == "TrainJob":
+        trainer = {
+            "image": image,
+            "command": command,
+            "env": env,
+            "numNodes": multi.nodes,
+            "numProcPerNode": multi.gpus_per_node,
+            "resourcesPerNode": multi.resources(gpus),
+        }
+        # The runtime's `node` container gets the mount; its pods the volume, placement and Istio opt-out.
+        pod_patch = {
+            "metadata": pod_metadata,
+            "spec": {
+                "volumes": [shm_volume],
+                **placement,
+                "containers": [{"name": "node", "volumeMounts": [shm_mount]}],
+            },
+        }
+        spec = {
+            "runtimeRef": {"name": multi.training_runtime},
+            "trainer": trainer,
+            "runtimePatches": [_node_patch(pod_patch)],
+        }
+        return {
+            "apiVersion": KINDS["TrainJob"].api_version,
+            "kind": "TrainJob",
+            "metadata": metadata,
+            "spec": spec,
+        }
+    container = {
+        "name": "pytorch",
+        "image": image,
+        "command": command,
+        "env": env,
+        "resources": multi.resources(gpus),
+        "volumeMounts": [shm_mount],
+        "ports": [{"name": "pytorchjob-port", "containerPort": 23456}],
+    }
+    pod = {
+        "metadata": {"labels": labels, **pod_metadata},
+        "spec": {"containers": [container], "volumes": [shm_volume], **placement},
+    }
+    replicas = {"Master": 1, "Worker": multi.nodes - 1}
+    replica_specs = {
+        role: {"replicas": n, "restartPolicy": "Never", "template": pod} for role, n in replicas.items() if n
+    }
+    spec = {"runPolicy": {"backoffLimit": 0, "cleanPodPolicy": "None"}, "pytorchReplicaSpecs": replica_specs}
+    return {
+        "apiVersion": KINDS["PyTorchJob"].api_version,
+        "kind": "PyTorchJob",
+        "metadata": metadata,
+        "spec": spec,
+    }
+
+
+def _node_patch(pod_patch: dict[str, Any]) -> dict[str, Any]:
+    """A TrainJob `runtimePatches` entry (Kubeflow Trainer >= 2.2, which replaced `podTemplateOverrides`)
+    applying a pod template patch to the runtime's `node` job."""
+    job = {"name": "node", "template": {"spec": {"template": pod_patch}}}
+    return {
+        "manager": PATCH_MANAGER,
+        "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}},
+    }
+
+
+def pod_templates(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod template(s) a manifest makes, as the operator will build them (for validation and tests).
+
+    A TrainJob's pod is the runtime's `node` container with `spec.trainer` and the runtime patch applied.
+    """
+    if manifest["kind"] == "PyTorchJob":
+        return [r["template"] for r in manifest["spec"]["pytorchReplicaSpecs"].values()]
+    trainer = manifest["spec"]["trainer"]
+    (job,) = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"
+    ]
+    patch = job["template"]["spec"]["template"]
+    spec = {k: v for k, v in patch["spec"].items() if k != "containers"}
+    (mounts,) = [c["volumeMounts"] for c in patch["spec"]["containers"] if c["name"] == "node"]
+    container = {
+        "name": "node",
+        "image": trainer["image"],
+        "command": trainer["command"],
+        "env": trainer["env"],
+        "resources": trainer["resourcesPerNode"],
+        "volumeMounts": mounts,
+    }
+    return [{"metadata": patch["metadata"], "spec": {**spec, "containers": [container]}}]
+
+
+# ----------------------------------------------------------------------------------------------
+# Artifacts: task paths <-> object-store URIs, staging, download
+
+
+def remote_uri(path: str) -> str:
+    """The object-store URI behind a KFP task's local artifact path (/s3/b/k -> s3://b/k); other values unchanged."""
+    from kfp.dsl.types.artifact_types import convert_local_path_to_remote_path
+
+    uri = convert_local_path_to_remote_path(path)
+    return "s3://" + uri[len("minio://") :] if uri.startswith("minio://") else uri
+
+
+def remote_inputs(values: dict[str, Any]) -> dict[str, Any]:
+    """The stage config with its inputs as URIs the pods can read; a local-only input is an error."""
+    out = dict(values)
+    for key in INPUT_KEYS:
+        value = out.get(key)
+        if isinstance(value, str):
+            out[key] = remote_uri(value)
+        elif isinstance(value, list):
+            out[key] = [remote_uri(v) if isinstance(v, str) else v for v in value]
+    for key in ("model", "dataset"):
+        if not storage.is_remote(out.get(key, "")):
+            raise ConfigError(
+                f"`nodes` > 1 trains in other pods, which read their inputs from object storage, but "
+                f"`{key}` is the local path {out.get(key)!r}. Run the pipeline on a cluster with an "
+                "s3:// pipeline root (a laptop run trains on one node)."
+            )
+    return out
+
+
+def staging_uri(output_uri: str) -> str:
+    uri = remote_uri(output_uri)
+    if not storage.is_remote(uri):
+        raise ConfigError(
+            f"`nodes` > 1 needs the output artifact in object storage; its URI is {output_uri!r}. "
+            "Run the pipeline with an s3:// pipeline root."
+        )
+    return uri.rstrip("/") + ".staging"
+
+
+def download_complete(staging: str, dest: str) -> None:
+    """Copy the final model in `staging` to the local folder `dest`, without step checkpoints;
+    only a folder with the completion marker counts."""
+    from trainer.checkpoint import COMPLETE_MARKER, is_complete
+
+    if not is_complete(staging):
+        raise RuntimeError(f"The job ended but {staging} holds no complete model (no {COMPLETE_MARKER}).")
+    fs = storage.filesystem(staging)
+    root = fs._strip_protocol(staging).rstrip("/")
+    for path in sorted(fs.find(root)):
+        rel = path[len(root) + 1 :]
+        if not rel.split("/")[0].startswith("checkpoint-"):
+            Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(Path(dest, rel)))
+
+
+def job_name(stage: str) -> str:
+    # Short: a TrainJob's rank-0 host name is <name>-node-0-0.<name>, each label at most 63 characters.
+    return f"alignflow-{stage.replace('_', '-')}-{secrets.token_hex(4)}"
+
+
+def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, model_out, **wait: Any) -> None:
+    """Train `stage` on `multi.nodes` nodes and leave the finished model in `model_out.path`."""
+    from trainer.cli import stage_parts
+    from trainer.config import config_from_dict
+
+    staging = staging_uri(model_out.uri)
+    values = {**remote_inputs(values), "output_dir": staging}
+    config_cls, _ = stage_parts(stage)
+    multi.check(stage, config_from_dict(config_cls, values))
+    submit_and_wait(render(stage, values, multi, name=job_name(stage)), **wait)
+    download_complete(staging, model_out.path)
+    storage.remove(staging)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside each pod
+
+
+def prepare_config(path: str) -> str:
+    """Write the stage config from ALIGNFLOW_STAGE_CONFIG to `path`, its object-store inputs copied to this node."""
+    values = json.loads(os.environ[CONFIG_ENV])
+    for key in INPUT_KEYS:
+        value = values.get(key)
+        if isinstance(value, str) and storage.is_remote(value):
+            values[key] = storage.fetch_to_local(value)
+        elif isinstance(value, list):
+            values[key] = [
+                storage.fetch_to_local(v) if isinstance(v, str) and storage.is_remote(v) else v for v in value
+            ]
+    Path(path).write_text(json.dumps(values, indent=2, sort_keys=True))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "prepare-config":
+        print("usage: python -m components.trainjob prepare-config FILE", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"Stage config with local inputs: {prepare_config(argv[1])}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
