@@ -141,10 +141,10 @@ def _check_exists(name: str, uri: str) -> None:
 
 
 def _check_tracking() -> None:
-    from trainer.tracking import _server_answers
+    from trainer.tracking import unreachable_reason
 
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if uri.startswith(("http://", "https://")) and (why := _server_answers(uri)) is not None:
+    if uri.startswith(("http://", "https://")) and (why := unreachable_reason(uri)) is not None:
         raise ConfigError(f"The MLflow server at {uri} cannot be reached ({why}), and the pipeline ends by promoting "
                           "a model in its registry. Start the server or point MLFLOW_TRACKING_URI at one that "
                           "answers /health.")

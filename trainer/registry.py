@@ -34,7 +34,7 @@ from typing import Any
 
 from trainer import checkpoint as ckpt
 from trainer.models import resolve_model_path
-from trainer.tracking import _cap_mlflow_http_retries, _server_answers, _sqlite_artifact_location
+from trainer.tracking import cap_mlflow_http_retries, sqlite_artifact_location, unreachable_reason
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,12 @@ def connect(tracking_uri: str | None = None):
     from mlflow import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)
-    _cap_mlflow_http_retries()
-    if uri.startswith(("http://", "https://")) and (why := _server_answers(uri)) is not None:
+    cap_mlflow_http_retries()
+    if uri.startswith(("http://", "https://")) and (why := unreachable_reason(uri)) is not None:
         raise RegistryError(f"The MLflow tracking server at {uri} cannot be reached ({why}); nothing was "
                             "registered. Start the server, or set MLFLOW_TRACKING_URI (or --tracking-uri) to one "
                             "that answers /health.")
-    _sqlite_artifact_location(uri)  # creates the folder of an embedded sqlite store
+    sqlite_artifact_location(uri)  # creates the folder of an embedded sqlite store
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -146,7 +146,7 @@ def _experiment_id(client, name: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=_sqlite_artifact_location(client.tracking_uri))
+        return client.create_experiment(name, artifact_location=sqlite_artifact_location(client.tracking_uri))
     except MlflowException:  # created by a parallel step in the meantime
         return client.get_experiment_by_name(name).experiment_id
 

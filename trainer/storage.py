@@ -39,8 +39,12 @@ def cache_dir() -> Path:
 
 
 def local_cache_path(uri: str) -> Path:
+    """Where `fetch_to_local` puts `uri` by default. Each rank of a multi-process run (LOCAL_RANK,
+    set by accelerate/torchrun) gets its own copy: ranks on one node re-downloading the same
+    folder would otherwise overwrite files another rank is reading."""
     digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return cache_dir() / "remote" / f"{digest}-{Path(uri.rstrip('/')).name}"
+    rank = os.environ.get("LOCAL_RANK")
+    return cache_dir() / "remote" / (f"rank{rank}" if rank else "") / f"{digest}-{Path(uri.rstrip('/')).name}"
 
 
 def fetch_to_local(uri: str, dest: str | Path | None = None) -> str:

@@ -44,7 +44,7 @@ _PARAMS_PER_BATCH = 100
 _METRICS_PER_BATCH = 1000
 
 
-def _cap_mlflow_http_retries() -> None:
+def cap_mlflow_http_retries() -> None:
     """MLflow retries a failed request 7 times with exponential backoff and a 120 s timeout:
     minutes of stalled training per call when the server is gone. Keep it to seconds, unless
     the user set these variables themselves."""
@@ -103,7 +103,7 @@ def _chunks(items: list, size: int) -> Iterator[list]:
         yield items[i:i + size]
 
 
-def _server_answers(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
+def unreachable_reason(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
     """None when an http(s) tracking server answers ``/health``, else why not.
 
     Any HTTP answer counts (a proxy may not route /health, a server may want auth): the point
@@ -124,7 +124,7 @@ def _server_answers(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> str | None:
         return f"{type(err).__name__}: {err}"
 
 
-def _sqlite_artifact_location(uri: str) -> str | None:
+def sqlite_artifact_location(uri: str) -> str | None:
     """For an embedded ``sqlite:///DIR/mlflow.db`` store: create DIR and keep artifacts in
     ``DIR/mlartifacts`` (MLflow's default is ``./mlruns`` under whatever the working folder is)."""
     if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
@@ -160,9 +160,9 @@ class Tracker:
         self._finished = False
         if self.tracking_uri is None:
             return
-        _cap_mlflow_http_retries()
+        cap_mlflow_http_retries()
         if self.tracking_uri.startswith(("http://", "https://")):
-            if (why := _server_answers(self.tracking_uri)) is not None:
+            if (why := unreachable_reason(self.tracking_uri)) is not None:
                 self._disable("checking /health", why)
                 return
         self._guard("starting the run", lambda: self._start(run_id))
@@ -178,7 +178,7 @@ class Tracker:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        artifact_location = _sqlite_artifact_location(self.tracking_uri)
+        artifact_location = sqlite_artifact_location(self.tracking_uri)
         self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
         params = flatten_params(dataclasses.asdict(self.config))
         if resume_run_id is not None:
