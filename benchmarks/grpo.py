@@ -317,14 +317,18 @@ def summarise(results: dict[tuple, dict], cases: list[tuple], trainers: list[str
                 continue
             rows.append([*case, trainer, r["s_per_step"], *(r[f"{p}_s"] for p in PHASES), r["gen_tok_per_s"],
                          r["tok_per_s"], r["gen_tokens_per_step"], r["peak_rss_mb"]])
-        trl = results.get((*case, "trl"))
-        ratios = []
-        for ours in ("alignflow-vllm", "alignflow-hf"):
-            r = results.get((*case, ours))
-            ratios.append(r["s_per_step"] / trl["s_per_step"] if r and trl else None)
-        ratio_rows.append([*case, *ratios])
-    ratio_table = format_table(["model", "G", "new tok", "alignflow-vllm/TRL s/step", "alignflow-hf/TRL s/step"],
-                               ratio_rows)
+        trl, vllm, hf = (results.get((*case, t)) for t in ("trl", "alignflow-vllm", "alignflow-hf"))
+
+        def ratio(ours: dict | None, key: str, trl: dict | None = trl) -> float | None:
+            return ours[key] / trl[key] if ours and trl and trl[key] else None
+
+        top = max(PHASES, key=lambda p: vllm[f"{p}_s"]) if vllm else None
+        step_ratio = ratio(vllm, "s_per_step")
+        ratio_rows.append([*case, step_ratio, ratio(hf, "s_per_step"), ratio(vllm, "generate_s"),
+                           ratio(vllm, "update_s"), f"{top} {vllm[f'{top}_s'] / vllm['s_per_step']:.0%}" if top else None,
+                           None if step_ratio is None else "yes" if step_ratio <= 1 / 3 else "no"])
+    ratio_table = format_table(["model", "G", "new tok", "vllm/TRL step", "hf/TRL step", "vllm/TRL generate",
+                                "vllm/TRL update", "vllm's largest phase", "<= 1/3?"], ratio_rows)
     return format_table(headers, rows), ratio_table
 
 
@@ -335,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generations", default="4,8", help="Comma-separated group sizes G.")
     parser.add_argument("--new-tokens", default="32,128", help="Comma-separated completion lengths.")
     parser.add_argument("--trainers", default=",".join(TRAINERS), help=f"Comma-separated: {', '.join(TRAINERS)}.")
-    parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run (one generation each).")
-    parser.add_argument("--warmup-steps", type=int, default=1, help="Leading steps left out of the medians.")
+    parser.add_argument("--steps", type=int, default=7, help="Optimizer steps per run (one generation each).")
+    parser.add_argument("--warmup-steps", type=int, default=2,
+                        help="Leading steps left out of the medians (vLLM runs settle over ~2 steps).")
     parser.add_argument("--prompts-per-step", type=int, default=2, help="Prompts per step (x G completions).")
     parser.add_argument("--natural-lengths", action="store_true",
                         help="Let completions stop at eos instead of forcing --new-tokens tokens.")
