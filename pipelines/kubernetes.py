@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kfp import kubernetes
-
 # Secret name -> {secret key: environment variable}. Values never appear in the compiled YAML.
 S3_SECRET = "alignflow-s3"
 MLFLOW_SECRET = "alignflow-mlflow"
@@ -43,6 +41,10 @@ TRAINING = Resources(cpu="8", memory="32Gi", gpus=1, tolerations=[
 
 def apply(task, resources: Resources, retries: int = 2, cache: bool = True):
     """Apply requests, placement, shared memory, secrets, retries and caching to one pipeline task."""
+    # Imported here: this module's settings are also read inside running components
+    # (components/trainjob.py), where KFP's executor cannot import kfp.kubernetes.
+    from kfp import kubernetes
+
     task.set_cpu_request(resources.cpu).set_memory_request(resources.memory)
     task.set_memory_limit(resources.memory)
     if resources.gpus:

@@ -545,3 +545,14 @@ def test_chart_role_allows_what_submit_and_wait_calls():
     assert "list" in verbs[("", "pods")] and "get" in verbs[("", "pods/log")]
     (binding,) = by_kind(docs, "RoleBinding")
     assert {"pipeline-runner", "default-editor"} <= {s["name"] for s in binding["subjects"]}
+
+
+def test_launcher_path_does_not_import_kfp_kubernetes():
+    """Components import trainjob at run time, inside KFP's executor, whose trimmed `kfp.dsl`
+    cannot load `kfp.kubernetes` (it needs `kfp.dsl.PipelineTask`)."""
+    import subprocess
+    import sys
+
+    code = "import sys, components.launcher, components.trainjob; print('kfp.kubernetes' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
