@@ -187,14 +187,13 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
     `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
     forward, which is where it hooks the gradient all-reduce (trainer/distributed.py).
     """
-    input_ids, attention_mask, completion_mask = batch.input_ids[rows], batch.attention_mask[rows], \
-        batch.completion_mask[rows]
+    input_ids, attention_mask = batch.input_ids[rows], batch.attention_mask[rows]
+    completion_mask = batch.completion_mask[rows]
     logits_of = distributed.wrapped_target_logits if distributed.is_wrapped(model) else target_logits
+    P, C = batch.prompt_width, input_ids.shape[1] - batch.prompt_width
     shared = None
-    if group_size and _can_share_prompts(model, batch.prompt_width + group_size * (input_ids.shape[1] -
-                                                                                   batch.prompt_width)):
-        shared = share_prompts(input_ids, attention_mask, completion_mask, batch.prompt_width, group_size,
-                               _model_dtype(model))
+    if group_size and _can_share_prompts(model, row_length=P + group_size * C):
+        shared = share_prompts(input_ids, attention_mask, completion_mask, P, group_size, _model_dtype(model))
     if shared is not None:
         out = logits_of(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
                         shared.sources)
