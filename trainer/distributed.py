@@ -51,8 +51,9 @@ RANK_REPORT_ENV = "ALIGNFLOW_RANK_REPORT_DIR"
 DEEPSPEED_STATE_DIR = "deepspeed"  # inside a step checkpoint: each rank's ZeRO shard
 
 
-def make_accelerator():
-    """The `Accelerator` of one training run, configured by `accelerate launch` (environment variables).
+def make_accelerator(bf16: bool = False):
+    """The `Accelerator` of one training run, configured by `accelerate launch` (environment variables);
+    `bf16` asks for bf16 mixed precision whatever `--mixed_precision` says.
 
     Without CUDA, `cpu=True` makes accelerate treat processes started by `torchrun` or
     `accelerate launch --multi_gpu` as MULTI_CPU ranks over gloo; otherwise it starts the process
@@ -60,9 +61,16 @@ def make_accelerator():
     is how its code path is tested without a GPU).
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed)
+    precision = "bf16" if bf16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if (AcceleratorState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) == 1
+            and AcceleratorState().mixed_precision != precision):
+        # accelerate keeps one precision per process; a process that runs several stages (tests,
+        # notebooks) starts this one's afresh.
+        AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, mixed_precision=precision)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise RuntimeError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
@@ -146,7 +154,7 @@ def is_wrapped(model) -> bool:
 
 def wrapped_target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
                           attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          sources: torch.Tensor | None = None) -> TargetLogits:
+                          sources: torch.Tensor | None = None, model_kwargs: dict | None = None) -> TargetLogits:
     """`trainer.logprobs.target_logits` through the wrapper's own forward (see the module docstring).
 
     The LM head still skips most prompt positions: transformers' `logits_to_keep` keeps the last
@@ -156,7 +164,7 @@ def wrapped_target_logits(model, input_ids: torch.Tensor, target_mask: torch.Ten
     rows, cols, src = target_positions(target_mask, sources)
     first = int(src.min()) if src.numel() else input_ids.shape[1] - 1  # earliest predicting position
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=input_ids.shape[1] - first).logits  # [B, T - first, V]
+                   logits_to_keep=input_ids.shape[1] - first, **(model_kwargs or {})).logits  # [B, T - first, V]
     return TargetLogits(logits=logits[rows, src - first], targets=input_ids[rows, cols], rows=rows, cols=cols)
 
 

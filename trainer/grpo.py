@@ -43,8 +43,16 @@ from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer.config import ConfigError, TrainConfig, _f
 from trainer.data import DataError, dataset_fingerprint, is_conversational, load_rows, render_chat
-from trainer.logprobs import entropy, selective_log_softmax, share_prompts, target_logits, to_padded
-from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed
+from trainer.logprobs import (
+    SHARED_ATTENTION,
+    entropy,
+    register_shared_attention,
+    selective_log_softmax,
+    share_prompts,
+    target_logits,
+    to_padded,
+)
+from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, keep_freed_memory, set_seed
 from trainer.losses import combine_rewards, group_advantages, policy_loss, rollout_is_weights
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name, score_completions
@@ -91,9 +99,13 @@ class GRPOConfig(TrainConfig):
     importance_sampling_correction: bool = _f(True, "Weight the loss by the truncated ratio of trainer to "
                                                      "rollout-engine probabilities (engine log-probs kept).")
     importance_sampling_cap: float = _f(3.0, "Cap of that importance ratio (token level).")
+    bf16: bool = _f(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
+                           "gradients and optimizer states stay in `dtype` (TRL's `bf16`); vLLM rollouts then run "
+                           "in bfloat16 too. `accelerate launch --mixed_precision bf16` turns it on as well.")
     share_prompt: bool = _f(True, "Run each group's prompt through the model once per micro-batch instead of "
                                   "once per completion (completions see it through a block attention mask; "
-                                  "same log-probs). Needs sdpa or eager attention; off for rows > 4096 tokens.")
+                                  "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
+                                  "attention; off for rows > 4096 tokens.")
     log_completions_steps: int = _f(10, "Log a table of sample prompts, completions and rewards every this many steps.")
     num_completions_to_log: int = _f(8, "Rows in that table.")
 
@@ -196,7 +208,7 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
         shared = share_prompts(input_ids, attention_mask, completion_mask, P, group_size, _model_dtype(model))
     if shared is not None:
         out = logits_of(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
-                        shared.sources)
+                        shared.sources, shared.model_kwargs)
         out_rows, out_cols = shared.unshare(out.rows, out.cols)
     else:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
@@ -211,12 +223,21 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
 MAX_SHARED_ROW = 4096
 
 
-def _can_share_prompts(model, row_length: int) -> bool:
-    """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa)."""
+def _attention(model) -> str:
     from accelerate.utils import extract_model_from_parallel
 
-    impl = getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
-    return impl in ("sdpa", "eager") and row_length <= MAX_SHARED_ROW
+    return getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
+
+
+def _can_share_prompts(model, row_length: int) -> bool:
+    """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa, ours)."""
+    return _attention(model) in ("sdpa", "eager", SHARED_ATTENTION) and row_length <= MAX_SHARED_ROW
+
+
+def _use_block_attention(model) -> None:
+    """Swap sdpa for `shared_prompt_attention` (plain sdpa for anything but shared-prompt rows)."""
+    if model is not None and _attention(model) == "sdpa":
+        model.set_attn_implementation(register_shared_attention())
 
 
 def _model_dtype(model) -> torch.dtype:
@@ -239,7 +260,8 @@ def run_grpo(config: GRPOConfig) -> str:
 
     Under `accelerate launch` every process runs this function as one rank.
     """
-    accelerator = distributed.make_accelerator()
+    accelerator = distributed.make_accelerator(config.bf16)
+    keep_freed_memory()
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     set_seed(config.seed)
     started = time.perf_counter()
@@ -279,6 +301,9 @@ def run_grpo(config: GRPOConfig) -> str:
     ref_model = None
     if config.beta > 0 and not config.lora_r:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
+    if config.share_prompt:
+        for m in (model, ref_model):
+            _use_block_attention(m)
     distributed.seed_rank(config.seed, rank)
     model.train()
     trainable, total = count_parameters(model)
@@ -302,7 +327,8 @@ def run_grpo(config: GRPOConfig) -> str:
     datasets_info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows), "rows": len(rows)}}
 
     engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
-                         max_model_len=config.max_prompt_length + config.max_completion_length, dtype=config.dtype,
+                         max_model_len=config.max_prompt_length + config.max_completion_length,
+                         dtype="bfloat16" if accelerator.mixed_precision == "bf16" else config.dtype,
                          seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                          server_devices=config.vllm_server_devices)
     sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
@@ -377,14 +403,15 @@ def run_grpo(config: GRPOConfig) -> str:
             loss_mask = batch.completion_mask.clone()
             if config.mask_truncated_completions:
                 loss_mask[batch.truncated] = 0
-            old_logps = batched_logps(policy, batch, size, shared_group) if config.num_iterations > 1 else None
-            ref_logps = None
-            if config.beta > 0:
-                if ref_model is not None:
-                    ref_logps = batched_logps(ref_model, batch, size, shared_group)
-                else:
-                    with model.disable_adapter():
-                        ref_logps = batched_logps(policy, batch, size, shared_group)
+            with accelerator.autocast():
+                old_logps = batched_logps(policy, batch, size, shared_group) if config.num_iterations > 1 else None
+                ref_logps = None
+                if config.beta > 0:
+                    if ref_model is not None:
+                        ref_logps = batched_logps(ref_model, batch, size, shared_group)
+                    else:
+                        with model.disable_adapter():
+                            ref_logps = batched_logps(policy, batch, size, shared_group)
             timings["timing/reference"] = time.perf_counter() - t
 
             # update: num_iterations optimizer steps over the cycle
@@ -399,7 +426,8 @@ def run_grpo(config: GRPOConfig) -> str:
                 for i, start in enumerate(micro_batches):
                     sl = slice(start, start + size)
                     with distributed.micro_batch(accelerator, policy, last=i == accum - 1):
-                        logps, ent = token_logps(policy, batch, sl, with_entropy=True, group_size=shared_group)
+                        with accelerator.autocast():
+                            logps, ent = token_logps(policy, batch, sl, with_entropy=True, group_size=shared_group)
                         mask = loss_mask[sl]
                         behaviour = old_logps[sl] if old_logps is not None else logps.detach()
                         is_weights, is_stats = None, {}

@@ -52,22 +52,24 @@ def target_positions(target_mask: torch.Tensor, sources: torch.Tensor | None = N
 
 def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  sources: torch.Tensor | None = None) -> TargetLogits:
+                  sources: torch.Tensor | None = None, model_kwargs: dict | None = None) -> TargetLogits:
     """Logits for every token marked in `target_mask` [B, T], predicted from the token before it
     (or from the column `sources` [B, T] names, see `share_prompts`).
 
     Packed rows pass `position_ids` (restarting at 0 per example) and no attention mask;
     transformers then builds a block-diagonal causal mask. A 4D `attention_mask` is used as given.
+    `model_kwargs` reach the attention functions (`SharedPrompts.model_kwargs`).
     """
     rows, cols, src = target_positions(target_mask, sources)
     parts = _causal_lm_parts(model)
     if parts is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    **(model_kwargs or {}))
         logits = out.logits[rows, src]
     else:
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state  # [B, T, H]
+                         use_cache=False, **(model_kwargs or {})).last_hidden_state  # [B, T, H]
         logits = head(hidden[rows, src])  # [N, V]
     return TargetLogits(logits=logits, targets=input_ids[rows, cols], rows=rows, cols=cols)
 
@@ -91,6 +93,11 @@ class SharedPrompts:
     sources: torch.Tensor  # [B/G, P + G*C] column whose hidden state predicts each token
     prompt_width: int
     group_size: int
+
+    @property
+    def model_kwargs(self) -> dict:
+        """Passed to the model's forward: `shared_prompt_attention` reads the layout from them."""
+        return {SHARED_LAYOUT_KWARG: (self.prompt_width, self.group_size)}
 
     def unshare(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Map per-target (rows, cols) of this layout back to the usual [B, P + C] rows: (rows, cols)."""
@@ -128,6 +135,64 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     allowed = (visible[None] & key_ok[:, None, :]) | torch.eye(P + G * C, dtype=torch.bool, device=device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return SharedPrompts(ids, mask[:, None], positions, targets, sources, P, G)
+
+
+# The attention implementation (transformers' AttentionInterface) that runs shared-prompt rows
+# block by block instead of over the dense [T, T] mask, and the forward kwarg that carries the layout.
+SHARED_ATTENTION = "alignflow_shared_prompt"
+SHARED_LAYOUT_KWARG = "shared_prompt_layout"
+
+
+def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs):
+    """SDPA over a `SharedPrompts` row in blocks: the prompt attends to itself, and each
+    completion block to the prompt and to itself, so the attention costs P^2 + G*C*(P + C)
+    instead of (P + G*C)^2; the blocks of the 4D mask outside these are never read (the mask
+    hides them anyway). Without the layout kwarg (generation, other stages) it is plain sdpa.
+
+    query [B, H, T, D], key/value [B, H_kv, T, D] -> ([B, T, H, D], None) as transformers expects.
+    """
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    layout = kwargs.pop(SHARED_LAYOUT_KWARG, None)
+    if layout is None or attention_mask is None or attention_mask.dim() != 4 or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    P, G = layout
+    B, H, T, D = query.shape
+    C = (T - P) // G
+    groups = H // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    mask = attention_mask.to(query.dtype) if attention_mask.is_floating_point() else attention_mask
+    prompt = F.scaled_dot_product_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P], attn_mask=mask[:, :, :P, :P],
+                                            dropout_p=dropout, scale=scaling)  # [B, H, P, D]
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, H, G*C, D] -> [B*G, H, C, D]
+        return x.unflatten(2, (G, C)).transpose(1, 2).reshape(B * G, H, C, D)
+
+    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # keys/values: [B*G, H, P + C, D]
+        shared = x[:, :, :P].unsqueeze(1).expand(B, G, H, P, D).reshape(B * G, H, P, D)
+        return torch.cat([shared, blocks(x[:, :, P:])], dim=2)
+
+    rows = mask[:, 0, P:]  # [B, G*C, T]: the completions' queries
+    to_prompt = rows[:, :, :P].unflatten(1, (G, C))  # [B, G, C, P]
+    to_own = rows[:, :, P:].unflatten(1, (G, C)).unflatten(3, (G, C)).diagonal(dim1=1, dim2=3)  # [B, C, C, G]
+    block_mask = torch.cat([to_prompt, to_own.permute(0, 3, 1, 2)], dim=-1).reshape(B * G, 1, C, P + C)
+    completions = F.scaled_dot_product_attention(blocks(query[:, :, P:]), with_prompt(key), with_prompt(value),
+                                                 attn_mask=block_mask, dropout_p=dropout, scale=scaling)
+    completions = completions.reshape(B, G, H, C, D).transpose(1, 2).reshape(B, H, G * C, D)
+    return torch.cat([prompt, completions], dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_shared_attention() -> str:
+    """Make `SHARED_ATTENTION` a transformers attention implementation (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SHARED_ATTENTION, shared_prompt_attention)
+    AttentionMaskInterface.register(SHARED_ATTENTION, sdpa_mask)
+    return SHARED_ATTENTION
 
 
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

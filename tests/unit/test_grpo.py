@@ -1,6 +1,8 @@
 """GRPO stage with the hf rollout engine: learns a toy task, validates inputs, resumes."""
 
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -8,10 +10,16 @@ import torch
 from safetensors.torch import load_file
 
 from trainer import checkpoint as ckpt
+from trainer import distributed
 from trainer.config import ConfigError
 from trainer.data import DataError
 from trainer.grpo import GRPOConfig, build_batch, run_grpo, token_logps
-from trainer.logprobs import share_prompts
+from trainer.logprobs import (
+    SHARED_ATTENTION,
+    register_shared_attention,
+    share_prompts,
+    shared_prompt_attention,
+)
 from trainer.models import load_causal_lm
 from trainer.rewards import RewardError
 from trainer.rollout.base import Completion
@@ -79,6 +87,56 @@ def test_hf_engine_learns_toy_task(tiny_model, tmp_path):
         assert key in history[-1], key
 
 
+def test_bf16_mixed_precision_trains_float32_weights(tiny_model, tmp_path):
+    """`bf16`: log-probs come from a bfloat16 autocast forward (close to float32's, not equal),
+    parameters and the saved model stay float32, and the next stage in the process can go back."""
+    run_grpo(grpo_config(tiny_model, tmp_path, max_steps=2, learning_rate=1e-2, bf16=True))
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in saved.values())
+    assert any(not torch.equal(saved[k], start[k]) for k in start)
+    assert all(math.isfinite(r["loss"]) for r in ckpt.read_history(str(tmp_path / "out")) if "loss" in r)
+
+    model = load_causal_lm(tiny_model, "float32")
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 8)]
+    batch = build_batch([ids[0]], [[Completion(ids[1], [0.0] * 9, "length"), Completion(ids[2], [0.0] * 8, "length")]],
+                        pad_id=0)
+    accelerator = distributed.make_accelerator(bf16=True)
+    assert accelerator.mixed_precision == "bf16"
+    with torch.no_grad(), accelerator.autocast():
+        low, _ = token_logps(model, batch, slice(0, 2))
+    with torch.no_grad():
+        full, _ = token_logps(model, batch, slice(0, 2))
+    gap = (low - full).abs().max()
+    assert 1e-5 < gap < 0.1, gap
+    assert distributed.make_accelerator(bf16=False).mixed_precision == "no"
+
+
+def test_keep_freed_memory_stops_page_faults_on_reallocation():
+    """With glibc tuned, a loop that allocates and frees the same blocks (like training steps)
+    settles on mapped pages: no page faults after a few rounds, and the heap stays bounded."""
+    import subprocess
+    import sys
+
+    probe = ("import resource, torch; from trainer.loop import keep_freed_memory; on = keep_freed_memory(); r = []\n"
+             "for _ in range(12):\n"
+             "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+             "    x = torch.ones(16 << 20); y = torch.ones(3 << 20); del x; z = torch.ones(5 << 20); del y, z\n"
+             "    r.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n"
+             "print(on, sum(r[-6:]), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)")
+    results = {}
+    for setting in ("1", "0"):
+        env = {**os.environ, "ALIGNFLOW_MALLOC_TUNING": setting}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        on, faults, rss_mb = out.stdout.split()
+        results[setting] = (on == "True", int(faults), int(rss_mb))
+    assert results["1"][0] and not results["0"][0], results
+    assert results["0"][1] > 6 * 16_000, results  # 64 MB = 16k pages faulted in again every round by default
+    assert results["1"][1] < 1_000, results
+    assert results["1"][2] < results["0"][2] + 200, results  # peak RSS about the same
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_each_loss_type_with_kl_and_iterations_updates_weights(tiny_model, tmp_path, loss_type):
     config = grpo_config(tiny_model, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, max_steps=2,
@@ -106,9 +164,11 @@ def test_chat_prompts_and_extra_columns_reach_rewards(tiny_model, tmp_path):
     assert "rewards/needs_column/mean" in last and last["rewards/reward_none_for_first/mean"] == 0.5
 
 
-def test_shared_prompt_rows_give_the_same_logps_and_gradients(tiny_model):
-    """Running each group's prompt once (block attention mask) changes nothing but the cost."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager", SHARED_ATTENTION])
+def test_shared_prompt_rows_give_the_same_logps_and_gradients(tiny_model, attention):
+    """Running each group's prompt once (block attention mask, dense or in blocks) changes nothing but the cost."""
     model = load_causal_lm(tiny_model, "float32")
+    model.set_attn_implementation(register_shared_attention() if attention == SHARED_ATTENTION else attention)
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -132,6 +192,39 @@ def test_shared_prompt_rows_give_the_same_logps_and_gradients(tiny_model):
     # Rows whose prompts differ inside a group are not shared.
     assert share_prompts(batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_width, 8,
                          torch.float32) is None
+
+
+def test_block_attention_reads_only_the_prompt_and_own_blocks():
+    """`shared_prompt_attention` equals dense sdpa under the shared-prompt mask, and never reads the
+    mask between completion blocks (so it really computes block by block), with GQA heads."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    gen = torch.Generator().manual_seed(0)
+    P, G, C, H, Hkv, D = 5, 3, 4, 4, 2, 8
+    ids = torch.arange(2 * G * (P + C)).view(2 * G, P + C) % 7
+    ids[:, :P] = ids[::G, :P].repeat_interleave(G, 0)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[G:, 0] = 0  # the second group's prompt is one token shorter (left padding)
+    attention_mask[1, -1] = 0  # a completion ending early
+    shared = share_prompts(ids, attention_mask, attention_mask.clone(), P, G, torch.float32)
+    T = P + G * C
+    q = torch.randn(2, H, T, D, generator=gen)
+    k, v = torch.randn(2, Hkv, T, D, generator=gen), torch.randn(2, Hkv, T, D, generator=gen)
+    module = torch.nn.Module()
+    module.num_key_value_groups = H // Hkv
+    out, _ = shared_prompt_attention(module, q, k, v, shared.attention_mask, scaling=D ** -0.5, **shared.model_kwargs)
+    dense = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=shared.attention_mask,
+                                           scale=D ** -0.5).transpose(1, 2)
+    torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-5)
+    leaky = shared.attention_mask.clone()
+    block = torch.arange(G * C) // C
+    leaky[:, :, P:, P:] = torch.where(block[:, None] == block[None, :], leaky[:, :, P:, P:],
+                                      torch.zeros(()))  # open every entry between different completions
+    again, _ = shared_prompt_attention(module, q, k, v, leaky, scaling=D ** -0.5, **shared.model_kwargs)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+    plain, _ = shared_prompt_attention(module, q, k, v, leaky, scaling=D ** -0.5)  # no layout: dense sdpa
+    assert not torch.allclose(plain, out, atol=1e-3)
 
 
 def test_share_prompt_trains_like_unshared(tiny_model, tmp_path):
