@@ -13,7 +13,9 @@ temperature 1, top_p 1, no top_k, beta=0 (no reference model), loss_type=dapo, s
 group, num_iterations=1, learning rate 1e-6 constant, the very same reward function
 (`trainer.rewards.exact_answer`, which has TRL's signature), float32, 2 torch threads, no
 gradient checkpointing (TRL turns it on by default), no evaluation, no report_to/MLflow, no
-completion logging. Each run is its own process.
+completion logging. Each run is its own process. `--bf16` gives every trainer bf16 mixed
+precision instead (`bf16=True` in both configs: float32 weights and optimizer, bfloat16 autocast
+compute; alignflow's vLLM then samples in bfloat16, TRL generates under the same autocast).
 
 Fair lengths: every completion runs to exactly `--new-tokens` tokens in all three trainers, so
 each step generates and trains on the same number of tokens. alignflow gets an empty stop list
@@ -131,7 +133,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
     group = spec["generations"]
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
-        max_steps=spec["steps"], per_device_batch_size=spec["prompts_per_step"] * group,
+        bf16=spec["bf16"], max_steps=spec["steps"], per_device_batch_size=spec["prompts_per_step"] * group,
         gradient_accumulation_steps=1, learning_rate=spec["learning_rate"], lr_scheduler="constant",
         num_generations=group, max_prompt_length=spec["max_prompt_length"],
         max_completion_length=spec["new_tokens"], temperature=1.0, beta=0.0, loss_type="dapo",
@@ -235,7 +237,7 @@ def child_trl(spec: dict, started: float) -> dict:
         loss_type="dapo", scale_rewards="group", num_iterations=1, learning_rate=spec["learning_rate"],
         lr_scheduler_type="constant", warmup_steps=0, use_vllm=False,
         generation_kwargs={"min_new_tokens": spec["new_tokens"]} if spec["full_length"] else None,
-        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, seed=spec["seed"],
+        bf16=spec["bf16"], fp16=False, use_cpu=True, gradient_checkpointing=False, seed=spec["seed"],
         logging_steps=10**9, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=[exact_answer], args=args, train_dataset=rows,
@@ -347,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="Let completions stop at eos instead of forcing --new-tokens tokens.")
     parser.add_argument("--learning-rate", type=float, default=1e-6)
     parser.add_argument("--max-prompt-length", type=int, default=512, help="alignflow's left truncation (none here).")
+    parser.add_argument("--bf16", action="store_true",
+                        help="Mixed precision in every trainer: alignflow and TRL `bf16=True` (autocast, fp32 weights); "
+                             "alignflow's vLLM then generates in bfloat16.")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each run.")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--smollm2-dir", type=Path, default=SMOLLM2)
@@ -383,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
                                     warmup_steps=args.warmup_steps, prompts_per_step=args.prompts_per_step,
                                     generations=group, new_tokens=new_tokens, full_length=not args.natural_lengths,
                                     learning_rate=args.learning_rate, max_prompt_length=args.max_prompt_length,
-                                    threads=args.threads, seed=args.seed)
+                                    threads=args.threads, seed=args.seed, bf16=args.bf16)
                         print(f"[{time.perf_counter() - started:6.0f}s] {model} G={group} {new_tokens} tok "
                               f"{trainer} ...", file=sys.stderr, flush=True)
                         result = run_one(spec, work, args.threads, args.timeout)
@@ -398,9 +403,10 @@ def main(argv: list[str] | None = None) -> None:
                                     "trainer": trainer, **result})
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    precision = "bf16 mixed precision (fp32 weights)" if args.bf16 else "float32"
     lengths_note = "natural lengths (eos stops)" if args.natural_lengths else "every completion forced to full length"
     settings = (f"{args.prompts_per_step} prompts x G completions per step, {lengths_note}, temperature 1, beta 0, "
-                f"dapo, float32, {args.threads} threads, {args.steps} steps (first {args.warmup_steps} untimed, "
+                f"dapo, {precision}, {args.threads} threads, {args.steps} steps (first {args.warmup_steps} untimed, "
                 "median of the rest); prompt tokens " + ", ".join(
                     f"{m}: {d['prompt_tokens']}" for m, d in data_info.items()))
     table, ratios = summarise(results, cases, trainers)
