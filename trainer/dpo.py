@@ -542,7 +542,7 @@ def run_dpo(config: DPOConfig) -> str:
             tracker.log_metrics(final_eval, state.global_step)
             run.last_metrics = {**run.last_metrics, **final_eval}
         run.last_metrics.update(train_runtime=time.perf_counter() - started, data_runtime=data_runtime,
-                            loop_runtime=loop_runtime)
+                                loop_runtime=loop_runtime)
         run.save("final")
         tracker.log_dict(run.manifest(), ckpt.MANIFEST)
         if config.mlflow_log_checkpoint and not is_remote(config.output_dir):

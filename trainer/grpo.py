@@ -42,7 +42,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer import distributed
 from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import DataError, dataset_fingerprint, is_conversational, load_rows, render_chat
+from trainer.data import DataError, describe_datasets, is_conversational, load_rows, render_chat
 from trainer.logprobs import (
     SHARED_ATTENTION,
     entropy,
@@ -324,7 +324,7 @@ def run_grpo(config: GRPOConfig) -> str:
     if resume:
         tracker.history[:] = ckpt.read_history(resume)
     state.mlflow_run_id = tracker.run_id
-    datasets_info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows), "rows": len(rows)}}
+    datasets_info = describe_datasets(config, rows, None, {})
 
     engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
                          max_model_len=config.max_prompt_length + config.max_completion_length,
