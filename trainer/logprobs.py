@@ -146,25 +146,61 @@ SHARED_LAYOUT_KWARG = "shared_prompt_layout"
 def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             **kwargs):
-    """SDPA over a `SharedPrompts` row in blocks: the prompt attends to itself, and each
+    """Attention over a `SharedPrompts` row in blocks: the prompt attends to itself, and each
     completion block to the prompt and to itself, so the attention costs P^2 + G*C*(P + C)
     instead of (P + G*C)^2; the blocks of the 4D mask outside these are never read (the mask
     hides them anyway). Without the layout kwarg (generation, other stages) it is plain sdpa.
 
+    On CPU in bfloat16/float16 it runs as explicit matmuls (`_matmul_attention`): there torch's
+    fused SDPA kernel takes 2-3x longer at these sizes, mostly in its backward.
+
     query [B, H, T, D], key/value [B, H_kv, T, D] -> ([B, T, H, D], None) as transformers expects.
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = kwargs.pop(SHARED_LAYOUT_KWARG, None)
     if layout is None or attention_mask is None or attention_mask.dim() != 4 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     P, G = layout
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    dtype = _cpu_half_dtype(query)
+    if dtype is not None:
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        out = _matmul_attention(query, key, value, _additive(attention_mask, dtype), dropout, scaling, P, G)
+    else:
+        out = _sdpa_blocks(query, key, value, attention_mask, dropout, scaling, P, G)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _cpu_half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """bfloat16/float16 when attention on CPU computes in it (inputs or autocast); else None.
+
+    Under autocast, rotary embeddings leave query and key in float32 (autocast then casts SDPA's
+    inputs), so the inputs' dtype alone does not tell.
+    """
+    if query.device.type != "cpu":
+        return None
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean (True = attend) or additive mask as an additive mask of `dtype`."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask.to(dtype)
+
+
+def _sdpa_blocks(query, key, value, mask, dropout: float, scaling: float, P: int, G: int) -> torch.Tensor:
+    """`shared_prompt_attention` with torch's SDPA per block: [B, H, T, D]."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
     B, H, T, D = query.shape
     C = (T - P) // G
     groups = H // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    mask = attention_mask.to(query.dtype) if attention_mask.is_floating_point() else attention_mask
+    mask = mask.to(query.dtype) if mask.is_floating_point() else mask
     prompt = F.scaled_dot_product_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P], attn_mask=mask[:, :, :P, :P],
                                             dropout_p=dropout, scale=scaling)  # [B, H, P, D]
 
@@ -182,7 +218,44 @@ def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     completions = F.scaled_dot_product_attention(blocks(query[:, :, P:]), with_prompt(key), with_prompt(value),
                                                  attn_mask=block_mask, dropout_p=dropout, scale=scaling)
     completions = completions.reshape(B, G, H, C, D).transpose(1, 2).reshape(B, H, G * C, D)
-    return torch.cat([prompt, completions], dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat([prompt, completions], dim=2)
+
+
+def _matmul_attention(query, key, value, mask, dropout: float, scaling: float, P: int, G: int) -> torch.Tensor:
+    """`shared_prompt_attention` as batched matmuls, softmax in the inputs' dtype: [B, H, T, D].
+
+    The g = H / H_kv query heads that share a key/value head are stacked as rows of one matmul,
+    so keys and values are never repeated. Short rows run densely under the mask (fewer, larger
+    matmuls win while the dense scores are under 3x the blocks'); longer ones in blocks.
+    """
+    B, H, T, D = query.shape
+    Hkv = key.shape[1]
+    g, C = H // Hkv, (T - P) // G
+
+    def probs(scores: torch.Tensor) -> torch.Tensor:
+        p = scores.softmax(-1)
+        return F.dropout(p, dropout) if dropout > 0 else p
+
+    q = query * scaling
+    if T * T <= 3 * (P * P + G * C * (P + C)):
+        scores = (q.reshape(B, Hkv, g * T, D) @ key.mT).view(B, Hkv, g, T, T) + mask[:, :, None]
+        return (probs(scores).view(B, Hkv, g * T, T) @ value).view(B, H, T, D)
+    m = mask[:, 0]  # [B, T, T]
+    kp, vp = key[:, :, :P], value[:, :, :P]
+    scores = (q[:, :, :P].reshape(B, Hkv, g * P, D) @ kp.mT).view(B, Hkv, g, P, P) + m[:, None, None, :P, :P]
+    prompt = (probs(scores).view(B, Hkv, g * P, P) @ vp).view(B, H, P, D)
+    qc = q[:, :, P:].reshape(B, Hkv, g, G, C, D)
+    kc, vc = key[:, :, P:].unflatten(2, (G, C)), value[:, :, P:].unflatten(2, (G, C))  # [B, Hkv, G, C, D]
+    own_mask = m[:, P:, P:].unflatten(1, (G, C)).unflatten(3, (G, C)).diagonal(dim1=1, dim2=3)  # [B, C, C, G]
+    to_prompt = (qc.reshape(B, Hkv, g * G * C, D) @ kp.mT).view(B, Hkv, g, G, C, P) \
+        + m[:, None, None, P:, :P].unflatten(3, (G, C))
+    to_own = (qc.transpose(2, 3).reshape(B, Hkv, G, g * C, D) @ kc.mT).view(B, Hkv, G, g, C, C).transpose(2, 3) \
+        + own_mask.permute(0, 3, 1, 2)[:, None, None]
+    p = probs(torch.cat([to_prompt, to_own], dim=-1))  # [B, Hkv, g, G, C, P + C]
+    from_prompt = (p[..., :P].reshape(B, Hkv, g * G * C, P) @ vp).view(B, Hkv, g, G, C, D)
+    from_own = (p[..., P:].transpose(2, 3).reshape(B, Hkv, G, g * C, C) @ vc).view(B, Hkv, G, g, C, D)
+    completions = (from_prompt + from_own.transpose(2, 3)).reshape(B, H, G * C, D)
+    return torch.cat([prompt, completions], dim=2)
 
 
 def register_shared_attention() -> str:

@@ -227,6 +227,55 @@ def test_block_attention_reads_only_the_prompt_and_own_blocks():
     assert not torch.allclose(plain, out, atol=1e-3)
 
 
+@pytest.mark.parametrize("P, G, C, blocks", [(5, 3, 4, False), (4, 4, 8, True)])
+def test_half_precision_block_attention_on_cpu(P, G, C, blocks):
+    """In bfloat16 on CPU `shared_prompt_attention` runs as matmuls (dense under the mask for short
+    rows, else in blocks): output and gradients equal float64 attention within bf16 rounding, and
+    float32 inputs under autocast take the same bf16 path."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    gen = torch.Generator().manual_seed(0)
+    H, Hkv, D = 6, 2, 16
+    ids = torch.arange(2 * G * (P + C)).view(2 * G, P + C) % 7
+    ids[:, :P] = ids[::G, :P].repeat_interleave(G, 0)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[G:, 0] = 0  # left padding in the second group's prompt
+    attention_mask[1, -2:] = 0  # a completion ending early
+    shared = share_prompts(ids, attention_mask, attention_mask.clone(), P, G, torch.float32)
+    T = P + G * C
+    q = torch.randn(2, H, T, D, generator=gen)
+    k, v = torch.randn(2, Hkv, T, D, generator=gen), torch.randn(2, Hkv, T, D, generator=gen)
+    weights = torch.randn(2, T, H, D, generator=gen)
+    module = torch.nn.Module()
+    module.num_key_value_groups = H // Hkv
+
+    def attend(mask, *inputs):
+        out, _ = shared_prompt_attention(module, *inputs, mask, scaling=D ** -0.5, **shared.model_kwargs)
+        grads = torch.autograd.grad((out.float() * weights).sum(), inputs)
+        return out, grads
+
+    half = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    out, grads = attend(shared.attention_mask, *half)
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(exact[0], repeat_kv(exact[1], 3), repeat_kv(exact[2], 3),
+                                         attn_mask=shared.attention_mask.double(), scale=D ** -0.5).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * weights.double()).sum(), exact)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
+    for grad, expected in zip(grads, ref_grads):
+        assert grad.dtype == torch.bfloat16
+        assert (grad.double() - expected).abs().max() <= 3e-2 * expected.abs().max()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_out, _ = attend(shared.attention_mask, *(x.clone().requires_grad_() for x in (q, k, v)))
+    assert torch.equal(autocast_out, out)
+    if blocks:  # mask entries between different completions are never read
+        leaky = shared.attention_mask.clone()
+        block = torch.arange(G * C) // C
+        leaky[:, :, P:, P:] = torch.where(block[:, None] == block[None, :], leaky[:, :, P:, P:], torch.zeros(()))
+        assert torch.equal(attend(leaky, *half)[0], out)
+
+
 def test_share_prompt_trains_like_unshared(tiny_model, tmp_path):
     """One cycle (reference model, old log-probs, two optimizer steps): same weights either way."""
     weights = []

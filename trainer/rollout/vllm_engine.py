@@ -194,7 +194,8 @@ class VLLMEngine(EngineContext):
         return results
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        dtype = self.llm.llm_engine.model_config.dtype  # e.g. bf16 rollouts of a float32 (mixed precision) model
+        weights = [(name, tensor.detach().to(dtype)) for name, tensor in named_tensors]
         _check_complete((name for name, _ in weights), self._weight_names)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.llm.reset_prefix_cache():
@@ -250,6 +251,7 @@ class VLLMServerEngine(EngineContext):
                  gpu_memory_utilization: float = 0.3, devices: str | None = None, port: int | None = None,
                  timeout_s: float = 300, request_timeout_s: float = 3600):
         self.max_model_len = max_model_len
+        self.dtype = dtype
         self._weight_names = _checkpoint_weight_names(model_path)
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -347,8 +349,9 @@ class VLLMServerEngine(EngineContext):
         """Write the tensors to a safetensors file (tmpfs when it has room), have the worker load it."""
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
+        dtype = getattr(torch, self.dtype, None)  # None for "auto": the checkpoint's dtype, as sent
         for name, tensor in named_tensors:
-            t = tensor.detach().to("cpu").contiguous()
+            t = tensor.detach().to("cpu", dtype).contiguous()
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:  # tied weights share storage; safetensors refuses shared tensors
                 t = t.clone()
