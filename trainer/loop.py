@@ -35,14 +35,16 @@ def keep_freed_memory() -> bool:
     step faults in (and the kernel zeroes) gigabytes of pages again: ~0.5M page faults and 10-25%
     of a SmolLM2 GRPO update on 2 cores, more next to in-process vLLM. Without mmap and trimming
     the pages stay mapped; peak RSS is the same, but memory freed after the peak is only reused
-    by this process. Only on Linux/glibc without CUDA (whose allocator caches already);
+    by this process. The trim threshold is -1 (never trim), not just "high": mallopt takes an
+    int, and a 2 GiB threshold still let SmolLM2 G=8 x 128-token steps trim and fault ~500k pages
+    back in every step. Only on Linux/glibc without CUDA (whose allocator caches already);
     `ALIGNFLOW_MALLOC_TUNING=0` leaves malloc alone.
     """
     if os.environ.get(MALLOC_TUNING_ENV) == "0" or not sys.platform.startswith("linux") or torch.cuda.is_available():
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, -1))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
 

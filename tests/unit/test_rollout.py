@@ -226,6 +226,28 @@ def test_vllm_engines_know_which_weights_a_sync_needs(tiny_model, policy):
                         names)
 
 
+def test_vllm_reload_drops_only_the_benign_rotary_warning():
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every weight push; only that line goes."""
+    import logging
+
+    from trainer.rollout.vllm_engine import _BenignReloadWarning, quiet_benign_reload_warning
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        quiet_benign_reload_warning()
+        quiet_benign_reload_warning()  # idempotent
+        for layer in ("RotaryEmbedding", "QKVParallelLinear"):
+            logger.warning("%s: Failed to load weights", layer)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["QKVParallelLinear: Failed to load weights"]
+    assert sum(isinstance(f, _BenignReloadWarning) for f in logger.filters) == 1
+
+
 def test_vllm_request_seeds_never_repeat_across_steps_prompts_and_samples():
     from trainer.rollout.vllm_engine import _request_seed
 

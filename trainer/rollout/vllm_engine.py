@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import logging
 import os
 import random
 import shutil
@@ -129,6 +130,21 @@ def _check_complete(names: Iterable[str], expected: frozenset[str]) -> None:
                          "(PEFT: merge the adapter first and pass the merged base model's state dict).")
 
 
+class _BenignReloadWarning(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged on every weight push: the
+    rotary layer holds a computed cos/sin cache and no checkpoint weights, and vLLM puts the
+    cache back as it was. Any other layer's warning still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def quiet_benign_reload_warning() -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _BenignReloadWarning) for f in logger.filters):
+        logger.addFilter(_BenignReloadWarning())
+
+
 # ----------------------------------------------------------------------------------------------
 # In-process engine
 
@@ -145,6 +161,7 @@ class VLLMEngine(EngineContext):
 
         self.max_model_len = max_model_len
         self._weight_names = _checkpoint_weight_names(model_path)
+        quiet_benign_reload_warning()
         cuda = torch.cuda.is_available()
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         rng_states = _global_rng_states()

@@ -23,6 +23,9 @@ class WeightSyncExtension:
         """
         from safetensors import safe_open
 
+        from trainer.rollout.vllm_engine import quiet_benign_reload_warning
+
+        quiet_benign_reload_warning()
         with safe_open(path, framework="pt", device="cpu") as f:
             names = list(f.keys())
             self.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in names))
