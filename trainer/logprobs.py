@@ -192,6 +192,15 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
+def _completion_masks(mask: torch.Tensor, P: int, G: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The completions' blocks of a shared-prompt mask [B, T, T]: to the prompt [B, G, C, P] and
+    each completion to itself [B, G, C, C]; the entries between completions are never read."""
+    rows = mask[:, P:]  # [B, G*C, T]: the completions' queries
+    to_prompt = rows[:, :, :P].unflatten(1, (G, C))
+    to_own = rows[:, :, P:].unflatten(1, (G, C)).unflatten(3, (G, C)).diagonal(dim1=1, dim2=3)  # [B, C, C, G]
+    return to_prompt, to_own.permute(0, 3, 1, 2)
+
+
 def _sdpa_blocks(query, key, value, mask, dropout: float, scaling: float, P: int, G: int) -> torch.Tensor:
     """`shared_prompt_attention` with torch's SDPA per block: [B, H, T, D]."""
     from transformers.integrations.sdpa_attention import repeat_kv
@@ -211,10 +220,7 @@ def _sdpa_blocks(query, key, value, mask, dropout: float, scaling: float, P: int
         shared = x[:, :, :P].unsqueeze(1).expand(B, G, H, P, D).reshape(B * G, H, P, D)
         return torch.cat([shared, blocks(x[:, :, P:])], dim=2)
 
-    rows = mask[:, 0, P:]  # [B, G*C, T]: the completions' queries
-    to_prompt = rows[:, :, :P].unflatten(1, (G, C))  # [B, G, C, P]
-    to_own = rows[:, :, P:].unflatten(1, (G, C)).unflatten(3, (G, C)).diagonal(dim1=1, dim2=3)  # [B, C, C, G]
-    block_mask = torch.cat([to_prompt, to_own.permute(0, 3, 1, 2)], dim=-1).reshape(B * G, 1, C, P + C)
+    block_mask = torch.cat(_completion_masks(mask[:, 0], P, G, C), dim=-1).reshape(B * G, 1, C, P + C)
     completions = F.scaled_dot_product_attention(blocks(query[:, :, P:]), with_prompt(key), with_prompt(value),
                                                  attn_mask=block_mask, dropout_p=dropout, scale=scaling)
     completions = completions.reshape(B, G, H, C, D).transpose(1, 2).reshape(B, H, G * C, D)
@@ -246,11 +252,10 @@ def _matmul_attention(query, key, value, mask, dropout: float, scaling: float, P
     prompt = (probs(scores).view(B, Hkv, g * P, P) @ vp).view(B, H, P, D)
     qc = q[:, :, P:].reshape(B, Hkv, g, G, C, D)
     kc, vc = key[:, :, P:].unflatten(2, (G, C)), value[:, :, P:].unflatten(2, (G, C))  # [B, Hkv, G, C, D]
-    own_mask = m[:, P:, P:].unflatten(1, (G, C)).unflatten(3, (G, C)).diagonal(dim1=1, dim2=3)  # [B, C, C, G]
-    to_prompt = (qc.reshape(B, Hkv, g * G * C, D) @ kp.mT).view(B, Hkv, g, G, C, P) \
-        + m[:, None, None, P:, :P].unflatten(3, (G, C))
+    prompt_mask, own_mask = _completion_masks(m, P, G, C)
+    to_prompt = (qc.reshape(B, Hkv, g * G * C, D) @ kp.mT).view(B, Hkv, g, G, C, P) + prompt_mask[:, None, None]
     to_own = (qc.transpose(2, 3).reshape(B, Hkv, G, g * C, D) @ kc.mT).view(B, Hkv, G, g, C, C).transpose(2, 3) \
-        + own_mask.permute(0, 3, 1, 2)[:, None, None]
+        + own_mask[:, None, None]
     p = probs(torch.cat([to_prompt, to_own], dim=-1))  # [B, Hkv, g, G, C, P + C]
     from_prompt = (p[..., :P].reshape(B, Hkv, g * G * C, P) @ vp).view(B, Hkv, g, G, C, D)
     from_own = (p[..., P:].transpose(2, 3).reshape(B, Hkv, G, g * C, C) @ vc).view(B, Hkv, G, g, C, D)
