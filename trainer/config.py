@@ -29,6 +29,10 @@ def _f(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+# `deepspeed` presets: JSON files in trainer/configs/.
+DEEPSPEED_PRESETS = ("zero2", "zero3", "zero3_offload")
+
+
 class ConfigError(ValueError):
     """A config value is wrong; the message says which field and how to fix it."""
 
@@ -53,6 +57,10 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
         "float32", "Parameter dtype for training. bfloat16 halves memory; float32 is exact on CPU.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
+    bf16: bool = _f(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
+                           "gradients and optimizer states stay in `dtype` (TRL's `bf16`). Under DeepSpeed its "
+                           "bf16 mode. `accelerate launch --mixed_precision bf16` turns it on as well.")
+    fp16: bool = _f(False, "Mixed precision in float16 with loss scaling (TRL's `fp16`); GPUs without bf16 only.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint folder (hub models with custom code).")
 
     # --- optimisation -----------------------------------------------------------------------
@@ -70,8 +78,16 @@ class TrainConfig:
     warmup_ratio: float = _f(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
     seed: int = _f(42, "Seed for model init, data order and sampling.")
 
+    # --- devices and processes -----------------------------------------------------------------
+    num_processes: int = _f(1, "Training processes (ranks) on this machine, one per GPU (or CPU ranks over gloo); "
+                               "above 1 `alignflow train` starts them through `accelerate launch` (docs/scaling.md).")
+    deepspeed: str | None = _f(None, "DeepSpeed ZeRO: `zero2`, `zero3`, `zero3_offload` (optimizer state in CPU "
+                                     "memory) or a DeepSpeed JSON file; unset = plain data parallelism (DDP).")
+
     # --- checkpoints and logging --------------------------------------------------------------
     save_steps: int = _f(0, "Save a resumable checkpoint every this many steps (0 = only at the end).")
+    save_minutes: float = _f(0.0, "Also save a resumable checkpoint every this many minutes (0 = off); "
+                                  "pipelines default to 30.")
     save_total_limit: int = _f(2, "Keep at most this many step checkpoints in `output_dir` (0 = keep all).")
     logging_steps: int = _f(10, "Log metrics every this many steps.")
     eval_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).")
@@ -128,6 +144,15 @@ class TrainConfig:
         for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
+        if self.bf16 and self.fp16:
+            raise ConfigError("Set either `bf16` or `fp16`, not both.")
+        if self.num_processes < 1:
+            raise ConfigError(f"`num_processes` must be >= 1, got {self.num_processes}.")
+        if self.save_minutes < 0:
+            raise ConfigError(f"`save_minutes` must be >= 0, got {self.save_minutes}.")
+        if self.deepspeed and self.deepspeed not in DEEPSPEED_PRESETS and not os.path.isfile(self.deepspeed):
+            raise ConfigError(f"`deepspeed` is {self.deepspeed!r}: give one of {', '.join(DEEPSPEED_PRESETS)} or the "
+                              "path of a DeepSpeed JSON file.")
         for tag in self.mlflow_tags:
             if "=" not in tag:
                 raise ConfigError(f"`mlflow_tags` entries look like KEY=VALUE; got {tag!r}.")
@@ -135,6 +160,11 @@ class TrainConfig:
     @property
     def tracking_uri(self) -> str | None:
         return self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+    @property
+    def mixed_precision(self) -> str:
+        """accelerate's name for the precision asked for: bf16, fp16 or no."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
     @property
     def parent_run_id(self) -> str | None:

@@ -347,6 +347,16 @@ def dataset_fingerprint(ds: datasets.Dataset) -> str:
     return getattr(ds, "_fingerprint", "") or ""
 
 
+def load_train_eval(config) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """A stage's training rows and its held-out rows (`eval_dataset`, or an `eval_split_ratio` split, or None)."""
+    rows = load_rows(config.dataset, config.dataset_split)
+    if config.eval_dataset:
+        return rows, load_rows(config.eval_dataset, config.dataset_split)
+    if config.eval_split_ratio:
+        return split_eval(rows, config.eval_split_ratio, config.seed)
+    return rows, None
+
+
 def describe_datasets(config, rows: datasets.Dataset, eval_rows: datasets.Dataset | None,
                       train_counts: dict[str, int], eval_counts: dict[str, int] | None = None) -> dict[str, dict]:
     """The manifest's `datasets`: path, fingerprint and sizes of the training (and eval) data."""

@@ -60,6 +60,10 @@ def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
     transformers then builds a block-diagonal causal mask. A 4D `attention_mask` is used as given.
     `model_kwargs` reach the attention functions (`SharedPrompts.model_kwargs`).
     """
+    if isinstance(model, TargetLM) or isinstance(getattr(model, "module", None), TargetLM):
+        # Prepared by accelerate (DDP, DeepSpeed): through the wrapper's forward, where its hooks live.
+        return model(input_ids=input_ids, target_mask=target_mask, attention_mask=attention_mask,
+                     position_ids=position_ids, sources=sources, model_kwargs=model_kwargs)
     rows, cols, src = target_positions(target_mask, sources)
     parts = _causal_lm_parts(model)
     if parts is None:
@@ -72,6 +76,26 @@ def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
                          use_cache=False, **(model_kwargs or {})).last_hidden_state  # [B, T, H]
         logits = head(hidden[rows, src])  # [N, V]
     return TargetLogits(logits=logits, targets=input_ids[rows, cols], rows=rows, cols=cols)
+
+
+class TargetLM(torch.nn.Module):
+    """A causal LM whose forward is `target_logits`: the module a stage hands to `accelerate.prepare`.
+
+    DDP arms its gradient all-reduce in its own `forward`, and DeepSpeed ZeRO-3 gathers sharded
+    parameters in hooks rooted at the engine's `forward`; `target_logits` runs the decoder and the
+    head separately (the head only at target positions), which would bypass both. Wrapped as the
+    prepared module's forward, it keeps both the hooks and the saving. `lm` is the model itself.
+    """
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config  # accelerate sizes DeepSpeed's "auto" buckets from it
+
+    def forward(self, input_ids: torch.Tensor, target_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, sources: torch.Tensor | None = None,
+                model_kwargs: dict | None = None) -> TargetLogits:
+        return target_logits(self.lm, input_ids, target_mask, attention_mask, position_ids, sources, model_kwargs)
 
 
 @dataclass

@@ -278,6 +278,19 @@ class Tracker:
         if self.active:
             self._guard(f"logging {artifact_file}", lambda: self._client.log_dict(self.run_id, d, artifact_file))
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Add params to the run (ones it already has keep their values, as on resume)."""
+        if self.active and params:
+            from mlflow.entities import Param
+
+            def send() -> None:
+                have = self._client.get_run(self.run_id).data.params
+                fresh = [Param(mlflow_key(k), str(v)) for k, v in sorted(params.items()) if mlflow_key(k) not in have]
+                for chunk in _chunks(fresh, _PARAMS_PER_BATCH):
+                    self._client.log_batch(self.run_id, params=chunk)
+
+            self._guard("logging params", send)
+
     def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
         if self.active:
             self._guard(f"uploading {local_dir}",
