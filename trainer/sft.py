@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, TrainConfig, _f
+from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import TokenizedSFT, describe_datasets, load_rows, pack_best_fit, split_eval, tokenize_sft
 from trainer.logprobs import entropy, selective_log_softmax, target_logits
 from trainer.loop import (
@@ -47,14 +47,14 @@ log = logging.getLogger(__name__)
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on text, prompt/completion or chat data."""
 
-    learning_rate: float = _f(2e-5, "Peak learning rate (AdamW).")
-    completion_only_loss: bool = _f(True, "For prompt/completion data: train on completion tokens only.")
-    assistant_only_loss: bool = _f(True, "For chat `messages`: train on assistant turns only.")
-    packing: bool = _f(False, "Pack several short examples into each row of `max_length` tokens "
-                              "(no attention across examples).")
-    num_sample_completions: int = _f(4, "Greedy sample completions of held-out prompts logged at the end "
-                                        "(0 = none).")
-    sample_max_new_tokens: int = _f(48, "Length of those sample completions.")
+    learning_rate: float = option(2e-5, "Peak learning rate (AdamW).")
+    completion_only_loss: bool = option(True, "For prompt/completion data: train on completion tokens only.")
+    assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
+    packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
+                                  "(no attention across examples).")
+    num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
+                                            "(0 = none).")
+    sample_max_new_tokens: int = option(48, "Length of those sample completions.")
 
     stage = "sft"
 
@@ -82,7 +82,7 @@ class SFTBatch:
         return int((self.position_ids >= 0).sum())
 
 
-def collate(rows: list[list[int]], data: TokenizedSFT, pad_id: int, packed: bool) -> SFTBatch:
+def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool) -> SFTBatch:
     """Right-pad examples (or packed groups of examples) into one batch.
 
     `rows` lists, for each batch row, the indices of the examples it holds (one unless packed).
@@ -135,7 +135,7 @@ def evaluate(model, data: TokenizedSFT, batch_size: int, pad_id: int) -> dict[st
     model.eval()
     total = correct = loss = 0.0
     for start in range(0, len(data), batch_size):
-        batch = collate([[i] for i in range(start, min(start + batch_size, len(data)))], data, pad_id, False)
+        batch = collate(data, [[i] for i in range(start, min(start + batch_size, len(data)))], pad_id, False)
         nll, stats = token_loss(model, batch)
         loss += float(nll)
         correct += stats["correct"]
@@ -226,7 +226,7 @@ def run_sft(config: SFTConfig) -> str:
     try:
         while state.global_step < steps:
             step = state.global_step + 1
-            micro = [collate([units[u] for u in idx], train_data, pad_id, config.packing)
+            micro = [collate(train_data, [units[u] for u in idx], pad_id, config.packing)
                      for idx in step_batches(len(units), config.per_device_batch_size,
                                              config.gradient_accumulation_steps, config.seed, step)]
             step_targets = sum(int(b.target_mask.sum()) for b in micro)  # collate zeroes position 0
