@@ -51,7 +51,7 @@ def child_eval(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from trainer.grpo import prompt_token_ids
+    from trainer.completions import prompt_token_ids
     from trainer.models import load_tokenizer
     from trainer.rewards import answer_format, exact_answer
     from trainer.rollout import SamplingConfig, make_engine

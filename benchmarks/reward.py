@@ -175,11 +175,11 @@ def split_pairs(work: Path, seed: int, train_fraction: float) -> tuple[Path, Pat
 
 def shorter_reply_accuracy(rows: list[dict]) -> float:
     """How often the chosen reply is the shorter one (characters after the shared prompt; ties count half)."""
-    from trainer.preferences import _split_implicit_prompt
+    from trainer.preferences import split_implicit_prompt
 
     score = 0.0
     for row in rows:
-        _, chosen, rejected = _split_implicit_prompt(row["chosen"], row["rejected"])
+        _, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
         score += 1.0 if len(chosen) < len(rejected) else 0.5 if len(chosen) == len(rejected) else 0.0
     return score / len(rows)
 

@@ -85,9 +85,9 @@ def child_alignflow(spec: dict, started: float) -> dict:
         marks.setdefault("train_start", _clock())
         return step_batches(*args, **kwargs)
 
-    def counting_collate(rows, data, pad_id, packed):
+    def counting_collate(data, rows, pad_id, packed):
         step_tokens[-1] += sum(len(data.input_ids[i]) for members in rows for i in members)
-        return collate(rows, data, pad_id, packed)
+        return collate(data, rows, pad_id, packed)
 
     def timed_clip_and_step(*args, **kwargs):
         out = clip_and_step(*args, **kwargs)

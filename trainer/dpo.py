@@ -39,13 +39,12 @@ from typing import Any, Literal
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, TrainConfig, _f
+from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import (
     describe_datasets,
     is_conversational,
     load_rows,
     pack_best_fit,
-    report_lengths,
     split_eval,
 )
 from trainer.logprobs import selective_log_softmax, sequence_sums, target_logits
@@ -60,8 +59,15 @@ from trainer.loop import (
     total_steps,
 )
 from trainer.losses import dpo_loss
-from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-from trainer.preferences import PreferenceText, load_pairs
+from trainer.models import (
+    apply_lora,
+    count_parameters,
+    disable_dropout,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
+from trainer.preferences import TokenizedPairs, load_pairs, tokenize_dpo_pairs
 from trainer.storage import fetch_to_local, is_remote
 
 log = logging.getLogger(__name__)
@@ -73,31 +79,31 @@ REFERENCE_FREE = ("simpo",)
 class DPOConfig(TrainConfig):
     """Direct preference optimisation on `prompt`/`chosen`/`rejected` pairs (text or chat)."""
 
-    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW). TRL's DPO default; small models and LoRA "
-                                    "usually want more.")
-    beta: float = _f(0.1, "Strength of the tie to the reference: higher keeps the policy closer "
-                          "(β of https://arxiv.org/abs/2305.18290; τ of IPO; β of SimPO).")
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"] = _f(
+    learning_rate: float = option(1e-6, "Peak learning rate (AdamW). TRL's DPO default; small models and LoRA "
+                                        "usually want more.")
+    beta: float = option(0.1, "Strength of the tie to the reference: higher keeps the policy closer "
+                              "(β of https://arxiv.org/abs/2305.18290; τ of IPO; β of SimPO).")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"] = option(
         "sigmoid", "Preference loss: sigmoid (DPO), ipo (https://arxiv.org/abs/2310.12036), hinge (SLiC, "
                    "https://arxiv.org/abs/2305.10425), robust (https://arxiv.org/abs/2403.00409), apo_zero "
                    "(https://arxiv.org/abs/2408.06266), or simpo (reference-free, https://arxiv.org/abs/2405.14734).")
-    label_smoothing: float = _f(0.0, "For `robust` (and `simpo`): assumed probability that a preference label is "
-                                     "flipped, in [0, 0.5). Must be 0 for the other loss types.")
-    simpo_gamma: float = _f(0.5, "SimPO's target reward margin γ (only with loss_type=simpo).")
-    max_prompt_length: int = _f(0, "Longest prompt, in tokens; longer prompts lose their start (left truncation). "
-                                   "Below `max_length`; the reply gets the rest. 0 = half of `max_length`.")
-    ref_model: str | None = _f(None, "Reference model checkpoint (folder, s3:// prefix or hub id). Default: a frozen "
-                                     "copy of `model`, or with LoRA the base model with adapters disabled.")
-    precompute_ref_log_probs: bool = _f(False, "Score every pair under the reference once before training and free "
-                                               "the reference model (saves memory and a forward per step).")
-    precompute_ref_batch_size: int = _f(0, "Pairs per forward when precomputing reference log-probs "
-                                           "(0 = 2 x `per_device_batch_size`).")
-    padding_free: bool = _f(True, "Pack each batch's sequences into rows of at most `max_length` tokens instead of "
-                                  "padding every sequence to the longest; position ids restart per sequence, so none "
-                                  "attends to another. Same result, less compute. Checked on the first batch: a model "
-                                  "whose attention mixes packed sequences falls back to padding, with a warning.")
-    disable_dropout: bool = _f(True, "Turn off dropout in the policy and reference, as TRL does, so that policy and "
-                                     "reference agree exactly at the start.")
+    label_smoothing: float = option(0.0, "For `robust` (and `simpo`): assumed probability that a preference label is "
+                                         "flipped, in [0, 0.5). Must be 0 for the other loss types.")
+    simpo_gamma: float = option(0.5, "SimPO's target reward margin γ (only with loss_type=simpo).")
+    max_prompt_length: int = option(0, "Longest prompt, in tokens; longer prompts lose their start (left truncation). "
+                                       "Below `max_length`; the reply gets the rest. 0 = half of `max_length`.")
+    ref_model: str | None = option(None, "Reference model checkpoint (folder, s3:// prefix or hub id). Default: a frozen "
+                                         "copy of `model`, or with LoRA the base model with adapters disabled.")
+    precompute_ref_log_probs: bool = option(False, "Score every pair under the reference once before training and free "
+                                                   "the reference model (saves memory and a forward per step).")
+    precompute_ref_batch_size: int = option(0, "Pairs per forward when precomputing reference log-probs "
+                                               "(0 = 2 x `per_device_batch_size`).")
+    padding_free: bool = option(True, "Pack each batch's sequences into rows of at most `max_length` tokens instead of "
+                                      "padding every sequence to the longest; position ids restart per sequence, so none "
+                                      "attends to another. Same result, less compute. Checked on the first batch: a model "
+                                      "whose attention mixes packed sequences falls back to padding, with a warning.")
+    disable_dropout: bool = option(True, "Turn off dropout in the policy and reference, as TRL does, so that policy and "
+                                         "reference agree exactly at the start.")
 
     stage = "dpo"
 
@@ -130,69 +136,12 @@ class DPOConfig(TrainConfig):
 # Data
 
 
-@dataclass
-class TokenizedPairs:
-    """Token ids of every kept pair: the prompt and both completions (each ending in eos for text)."""
-
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    chosen_ids: list[list[int]] = field(default_factory=list)
-    rejected_ids: list[list[int]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
-
-    def pair_length(self, i: int) -> int:
-        return 2 * len(self.prompt_ids[i]) + len(self.chosen_ids[i]) + len(self.rejected_ids[i])
-
-
-def tokenize_pairs(pairs: list[PreferenceText], tokenizer, name: str, chat: bool, max_length: int,
-                   max_prompt_length: int, truncation_mode: str, total_rows: int) -> TokenizedPairs:
-    """Tokenize pairs and apply the length policy.
-
-    The prompt keeps its last `max_prompt_length` tokens (the end of a conversation is what the
-    reply answers). Each completion then gets `max_length - len(prompt)` tokens, cut per
-    `truncation_mode` (keep_start, keep_end, or drop the pair). Text completions end in eos, as
-    in TRL; rendered chat replies already end in the template's end-of-turn tokens.
-    """
-    eos = tokenizer.eos_token_id
-    out = TokenizedPairs()
-    prompts_cut = truncated = dropped_long = 0
-    for pair in pairs:
-        prompt = tokenizer(pair.prompt, add_special_tokens=not chat)["input_ids"]
-        if len(prompt) > max_prompt_length:
-            prompt = prompt[-max_prompt_length:]
-            prompts_cut += 1
-        budget = max_length - len(prompt)
-        completions = []
-        for text in (pair.chosen, pair.rejected):
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not chat and eos is not None and (not ids or ids[-1] != eos):
-                ids = ids + [eos]
-            completions.append(ids)
-        too_long = any(len(ids) > budget for ids in completions)
-        if too_long and truncation_mode == "drop":
-            dropped_long += 1
-            continue
-        if too_long:
-            truncated += 1
-            cut = slice(-budget, None) if truncation_mode == "keep_end" else slice(None, budget)
-            completions = [ids[cut] for ids in completions]
-        out.prompt_ids.append(prompt)
-        out.chosen_ids.append(completions[0])
-        out.rejected_ids.append(completions[1])
-    if prompts_cut:
-        log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d and lost their start.",
-                    name, prompts_cut, total_rows, max_prompt_length)
-    report_lengths(name, total_rows, max_length, truncation_mode, truncated, dropped_long, 0, len(out))
-    return out
-
-
 def load_split(rows, name: str, tokenizer, config: DPOConfig) -> TokenizedPairs:
     """Pairs of a dataset (errors name the missing columns; identical pairs dropped), tokenized."""
     pairs, _ = load_pairs(rows, name, "dpo", tokenizer)
     chat = is_conversational(rows[0]["chosen"])  # a column is all text or all chat
-    return tokenize_pairs(pairs, tokenizer, name, chat, config.max_length, config.prompt_limit,
-                          config.truncation_mode, len(rows))
+    return tokenize_dpo_pairs(pairs, tokenizer, name, chat, config.max_length, config.prompt_limit,
+                              config.truncation_mode, len(rows))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +174,7 @@ class DPOBatch:
         return int((self.sequence >= 0).sum())
 
 
-def collate(indices: list[int], data: TokenizedPairs, pad_id: int, pack_to: int = 0) -> DPOBatch:
+def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int = 0) -> DPOBatch:
     """Pad to the longest sequence of this batch (not to `max_length`), or with `pack_to` > 0 pack
     the sequences into rows of at most `pack_to` tokens (best fit, longest first).
 
@@ -320,7 +269,7 @@ class Reference:
     def precompute(self, data: TokenizedPairs, split: str, batch_size: int, pad_id: int, pack_to: int) -> None:
         scores = []
         for start in range(0, len(data), batch_size):
-            batch = collate(list(range(start, min(start + batch_size, len(data)))), data, pad_id, pack_to)
+            batch = collate(data, list(range(start, min(start + batch_size, len(data)))), pad_id, pack_to)
             scores.append(self.compute(batch).view(2, -1).T)  # [B, 2]
         self.cache[split] = torch.cat(scores)
 
@@ -331,12 +280,6 @@ def freeze(model):
     return model
 
 
-def disable_dropout(model) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
 def packing_is_exact(model, indices: list[int], data: TokenizedPairs, pad_id: int, pack_to: int) -> bool:
     """Whether `model` scores packed sequences as it scores padded ones, i.e. its attention builds
     the block-diagonal mask from restarting position ids (transformers' models do; some
@@ -344,8 +287,8 @@ def packing_is_exact(model, indices: list[int], data: TokenizedPairs, pad_id: in
     was_training = model.training
     model.eval()
     with torch.inference_mode():
-        padded = sequence_logps(model, collate(indices, data, pad_id), with_logits=False)
-        packed = sequence_logps(model, collate(indices, data, pad_id, pack_to), with_logits=False)
+        padded = sequence_logps(model, collate(data, indices, pad_id), with_logits=False)
+        packed = sequence_logps(model, collate(data, indices, pad_id, pack_to), with_logits=False)
     model.train(was_training)
     per_token = float(((padded.logps - packed.logps).abs() / padded.lengths.clamp(min=1)).max())
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
@@ -418,7 +361,7 @@ def evaluate(model, data: TokenizedPairs, reference: Reference, config: DPOConfi
     model.eval()
     total: dict[str, float] = {}
     for start in range(0, len(data), config.per_device_batch_size):
-        batch = collate(list(range(start, min(start + config.per_device_batch_size, len(data)))), data, pad_id,
+        batch = collate(data, list(range(start, min(start + config.per_device_batch_size, len(data)))), pad_id,
                         pack_to)
         ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "eval")
         add_sums(total, pair_loss(model, batch, ref, config)[1])
@@ -508,7 +451,7 @@ def run_dpo(config: DPOConfig) -> str:
     try:
         while state.global_step < steps:
             step = state.global_step + 1
-            micro = [collate(idx, train_data, pad_id, pack_to)
+            micro = [collate(train_data, idx, pad_id, pack_to)
                      for idx in step_batches(len(train_data), config.per_device_batch_size,
                                              config.gradient_accumulation_steps, config.seed, step)]
             step_pairs = sum(b.num_pairs for b in micro)

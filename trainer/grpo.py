@@ -14,7 +14,7 @@ One generation cycle:
 Formulas live in `trainer/losses.py` (Shao et al. 2024 for GRPO, Yu et al. 2025 for DAPO's
 token-level loss and epsilon_high, Liu et al. 2025 for Dr. GRPO). Departures from TRL: the
 LM head runs only at completion positions; each group's prompt goes through the model once
-per micro-batch, not once per completion (`share_prompt`, `trainer.logprobs.share_prompts`);
+per micro-batch, not once per completion (`share_prompt`, `trainer.attention.share_prompts`);
 and the rollout engine's log-probs feed a truncated importance-sampling correction for the
 engine/trainer mismatch (Yao et al. 2025) by default.
 
@@ -34,26 +34,18 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import DataError, describe_datasets, is_conversational, load_rows, render_chat
-from trainer.logprobs import (
-    SHARED_ATTENTION,
-    entropy,
-    register_shared_attention,
-    selective_log_softmax,
-    share_prompts,
-    target_logits,
-    to_padded,
-)
+from trainer.completions import batched_logps, build_batch, prompt_token_ids, token_logps, use_block_attention
+from trainer.config import ConfigError, TrainConfig, option
+from trainer.data import DataError, describe_datasets, is_conversational, load_rows
 from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, keep_freed_memory, set_seed
-from trainer.losses import combine_rewards, group_advantages, policy_loss, rollout_is_weights
+from trainer.losses import combine_rewards, group_advantages, nanstd, policy_loss, rollout_is_weights
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name, score_completions
 from trainer.rollout import SamplingConfig, make_engine
@@ -66,48 +58,48 @@ log = logging.getLogger(__name__)
 class GRPOConfig(TrainConfig):
     """Group relative policy optimisation with rule, Python or reward-model rewards."""
 
-    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
-    per_device_batch_size: int = _f(8, "Completions per forward/backward pass (as TRL counts it).")
-    max_steps: int = _f(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
-    logging_steps: int = _f(1, "Log metrics every this many steps.")
-    reward_funcs: list[str] = _f(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
-                                 "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
-                                 "signature, or reward-model checkpoints.")
-    reward_weights: list[float] = _f([], "One weight per reward function (default: all 1.0).")
-    num_generations: int = _f(8, "Completions per prompt (G); advantages are normalised within each group.")
-    max_prompt_length: int = _f(512, "Prompts longer than this many tokens keep their END (left truncation).")
-    max_completion_length: int = _f(256, "Most tokens generated per completion.")
-    temperature: float = _f(1.0, "Sampling temperature.")
-    top_p: float = _f(1.0, "Nucleus sampling probability mass.")
-    top_k: int = _f(-1, "Sample from the top k tokens only (-1 = off).")
-    beta: float = _f(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
-                          "model, TRL's default). https://arxiv.org/abs/2402.03300")
-    epsilon: float = _f(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
-    epsilon_high: float | None = _f(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
-                                          "https://arxiv.org/abs/2503.14476")
-    num_iterations: int = _f(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+    learning_rate: float = option(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
+    per_device_batch_size: int = option(8, "Completions per forward/backward pass (as TRL counts it).")
+    max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
+    logging_steps: int = option(1, "Log metrics every this many steps.")
+    reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
+                                     "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
+                                     "signature, or reward-model checkpoints.")
+    reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
+    num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
+    max_prompt_length: int = option(512, "Prompts longer than this many tokens keep their END (left truncation).")
+    max_completion_length: int = option(256, "Most tokens generated per completion.")
+    temperature: float = option(1.0, "Sampling temperature.")
+    top_p: float = option(1.0, "Nucleus sampling probability mass.")
+    top_k: int = option(-1, "Sample from the top k tokens only (-1 = off).")
+    beta: float = option(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
+                              "model, TRL's default). https://arxiv.org/abs/2402.03300")
+    epsilon: float = option(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
+    epsilon_high: float | None = option(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
+                                              "https://arxiv.org/abs/2503.14476")
+    num_iterations: int = option(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = option(
         "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
                 "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
-    scale_rewards: Literal["group", "batch", "none"] = _f(
+    scale_rewards: Literal["group", "batch", "none"] = option(
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
-    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
-    rollout_engine: Literal["hf", "vllm", "vllm-server"] = _f(
+    mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = option(
         "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: a vLLM server child process.")
-    vllm_gpu_memory_utilization: float = _f(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
-    vllm_server_devices: str | None = _f(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
-    importance_sampling_correction: bool = _f(True, "Weight the loss by the truncated ratio of trainer to "
-                                                     "rollout-engine probabilities (engine log-probs kept).")
-    importance_sampling_cap: float = _f(3.0, "Cap of that importance ratio (token level).")
-    bf16: bool = _f(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
-                           "gradients and optimizer states stay in `dtype` (TRL's `bf16`); vLLM rollouts then run "
-                           "in bfloat16 too. `accelerate launch --mixed_precision bf16` turns it on as well.")
-    share_prompt: bool = _f(True, "Run each group's prompt through the model once per micro-batch instead of "
-                                  "once per completion (completions see it through a block attention mask; "
-                                  "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
-                                  "attention; off for rows > 4096 tokens.")
-    log_completions_steps: int = _f(10, "Log a table of sample prompts, completions and rewards every this many steps.")
-    num_completions_to_log: int = _f(8, "Rows in that table.")
+    vllm_gpu_memory_utilization: float = option(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
+    vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
+    importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
+                                                         "rollout-engine probabilities (engine log-probs kept).")
+    importance_sampling_cap: float = option(3.0, "Cap of that importance ratio (token level).")
+    bf16: bool = option(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
+                               "gradients and optimizer states stay in `dtype` (TRL's `bf16`); vLLM rollouts then run "
+                               "in bfloat16 too. `accelerate launch --mixed_precision bf16` turns it on as well.")
+    share_prompt: bool = option(True, "Run each group's prompt through the model once per micro-batch instead of "
+                                      "once per completion (completions see it through a block attention mask; "
+                                      "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
+                                      "attention; off for rows > 4096 tokens.")
+    log_completions_steps: int = option(10, "Log a table of sample prompts, completions and rewards every this many steps.")
+    num_completions_to_log: int = option(8, "Rows in that table.")
 
     stage = "grpo"
 
@@ -132,123 +124,6 @@ class GRPOConfig(TrainConfig):
     @property
     def prompts_per_cycle(self) -> int:
         return self.per_device_batch_size * self.gradient_accumulation_steps // self.num_generations
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompts and rollouts
-
-
-def prompt_token_ids(prompt, tokenizer, max_prompt_length: int) -> list[int]:
-    """Tokenize a text or chat prompt and keep its last `max_prompt_length` tokens (left truncation)."""
-    if is_conversational(prompt):
-        text = render_chat(tokenizer, prompt, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    return ids[-max_prompt_length:]
-
-
-@dataclass
-class RolloutBatch:
-    """One cycle's completions, grouped: rows g*G .. g*G+G-1 share prompt g."""
-
-    input_ids: torch.Tensor  # [N, P+C] prompt left-padded, completion right-padded
-    attention_mask: torch.Tensor  # [N, P+C]
-    completion_mask: torch.Tensor  # [N, P+C] 1 on completion tokens up to and including eos
-    rollout_logps: torch.Tensor  # [N, P+C] engine log-probs at completion tokens (0 elsewhere)
-    completion_lengths: torch.Tensor  # [N]
-    truncated: torch.Tensor  # [N] bool, hit max_completion_length without eos
-    prompt_width: int  # P: columns [0, P) hold the prompt
-
-    def to(self, device) -> RolloutBatch:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return RolloutBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
-
-
-def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> RolloutBatch:
-    rows = [(p, c) for p, group in zip(prompt_ids, completions) for c in group]
-    p_width = max(len(p) for p, _ in rows)
-    c_width = max(max(len(c.token_ids) for _, c in rows), 1)
-    n = len(rows)
-    input_ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros_like(input_ids)
-    rollout_logps = torch.zeros(input_ids.shape)
-    lengths = torch.zeros(n, dtype=torch.long)
-    truncated = torch.zeros(n, dtype=torch.bool)
-    for i, (p, c) in enumerate(rows):
-        start = p_width - len(p)
-        input_ids[i, start:p_width] = torch.tensor(p)
-        attention[i, start:p_width] = 1
-        k = len(c.token_ids)
-        if k:
-            input_ids[i, p_width:p_width + k] = torch.tensor(c.token_ids)
-            attention[i, p_width:p_width + k] = 1
-            completion_mask[i, p_width:p_width + k] = 1
-            rollout_logps[i, p_width:p_width + k] = torch.tensor(c.logprobs, dtype=torch.float)
-        lengths[i] = k
-        truncated[i] = c.finish_reason == "length"
-    return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated, p_width)
-
-
-def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = False, group_size: int = 0):
-    """Per-token log-probs of the completion tokens of `batch.input_ids[rows]` as [n, T] (zeros
-    elsewhere), and their mean entropy.
-
-    With `group_size` G, groups of G rows that share a prompt run it once (`share_prompts`).
-    `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
-    forward, which is where it hooks the gradient all-reduce (trainer/distributed.py).
-    """
-    input_ids, attention_mask = batch.input_ids[rows], batch.attention_mask[rows]
-    completion_mask = batch.completion_mask[rows]
-    logits_of = distributed.wrapped_target_logits if distributed.is_wrapped(model) else target_logits
-    P, C = batch.prompt_width, input_ids.shape[1] - batch.prompt_width
-    shared = None
-    if group_size and _can_share_prompts(model, row_length=P + group_size * C):
-        shared = share_prompts(input_ids, attention_mask, completion_mask, P, group_size, _model_dtype(model))
-    if shared is not None:
-        out = logits_of(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
-                        shared.sources, shared.model_kwargs)
-        out_rows, out_cols = shared.unshare(out.rows, out.cols)
-    else:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
-        out = logits_of(model, input_ids, completion_mask, attention_mask, position_ids)
-        out_rows, out_cols = out.rows, out.cols
-    logps = to_padded(selective_log_softmax(out.logits, out.targets), out_rows, out_cols, input_ids.shape)
-    ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
-    return logps, ent
-
-
-# Longest shared-prompt row: its [T, T] attention mask and the attention over it grow with T^2.
-MAX_SHARED_ROW = 4096
-
-
-def _attention(model) -> str:
-    from accelerate.utils import extract_model_from_parallel
-
-    return getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
-
-
-def _can_share_prompts(model, row_length: int) -> bool:
-    """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa, ours)."""
-    return _attention(model) in ("sdpa", "eager", SHARED_ATTENTION) and row_length <= MAX_SHARED_ROW
-
-
-def _use_block_attention(model) -> None:
-    """Swap sdpa for `shared_prompt_attention` (plain sdpa for anything but shared-prompt rows)."""
-    if model is not None and _attention(model) == "sdpa":
-        model.set_attn_implementation(register_shared_attention())
-
-
-def _model_dtype(model) -> torch.dtype:
-    return next(p for p in model.parameters() if p.is_floating_point()).dtype
-
-
-@torch.no_grad()
-def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0) -> torch.Tensor:
-    parts = [token_logps(model, batch, slice(i, i + size), group_size=group_size)[0]
-             for i in range(0, len(batch.input_ids), size)]
-    return torch.cat(parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +155,7 @@ def run_grpo(config: GRPOConfig) -> str:
     extra_columns = [c for c in rows.column_names if c != "prompt"]
     encoded = [prompt_token_ids(p, tokenizer, config.max_prompt_length) for p in prompts_all]
     prompts_per_step = config.prompts_per_cycle * world  # all ranks together
-    _check_ranks(config, world, len(rows), distributed.zero_stage(accelerator) >= 0)
+    check_ranks(config, world, len(rows), distributed.zero_stage(accelerator) >= 0)
     num_cycles = (config.max_steps if config.max_steps > 0 else
                   int(config.num_epochs * len(rows) / prompts_per_step)) // config.num_iterations
     steps = max(1, num_cycles) * config.num_iterations
@@ -303,7 +178,7 @@ def run_grpo(config: GRPOConfig) -> str:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
     if config.share_prompt:
         for m in (model, ref_model):
-            _use_block_attention(m)
+            use_block_attention(m)
     distributed.seed_rank(config.seed, rank)
     model.train()
     trainable, total = count_parameters(model)
@@ -466,7 +341,7 @@ def run_grpo(config: GRPOConfig) -> str:
                 "reward": float(adv_stats["reward"]), "reward_std": float(adv_stats["reward_std"]),
                 "frac_reward_zero_std": float(adv_stats["frac_reward_zero_std"]),
                 **{f"rewards/{n}/mean": float(torch.nanmean(all_per_func[:, j])) for j, n in enumerate(names)},
-                **{f"rewards/{n}/std": float(_nanstd(all_per_func[:, j])) for j, n in enumerate(names)},
+                **{f"rewards/{n}/std": float(nanstd(all_per_func[:, j]).nan_to_num()) for j, n in enumerate(names)},
                 "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                 "completions/max_length": float(lengths.max()),
                 "completions/clipped_ratio": float(truncated.mean()),
@@ -508,7 +383,7 @@ def run_grpo(config: GRPOConfig) -> str:
     return config.output_dir
 
 
-def _check_ranks(config: GRPOConfig, world: int, num_prompts: int, deepspeed: bool) -> None:
+def check_ranks(config: GRPOConfig, world: int, num_prompts: int, deepspeed: bool) -> None:
     """What several ranks need that one does not; each error says what to change."""
     if world > 1 and num_prompts < config.prompts_per_cycle * world:
         raise ConfigError(f"{world} ranks x {config.prompts_per_cycle} prompts per cycle need at least "
@@ -521,7 +396,3 @@ def _check_ranks(config: GRPOConfig, world: int, num_prompts: int, deepspeed: bo
         raise ConfigError("Under DeepSpeed every rank writes its optimizer shard into each step checkpoint, which "
                           "needs a local (shared) `output_dir`; use a local path or `save_steps 0`.")
 
-
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    valid = x[~torch.isnan(x)]
-    return valid.std() if valid.numel() > 1 else x.new_zeros(())

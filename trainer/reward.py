@@ -11,9 +11,9 @@ pairs (all accumulated micro-batches), so gradient accumulation gives the same u
 large batch.
 
 The text scored is prompt + reply, as in TRL's RewardTrainer, closed with the eos token when
-the model reads its reward at the last token (`reward_texts`). `trainer.rewards.RewardModelScorer`
-builds its inputs with the same function, so a checkpoint scores GRPO completions exactly as it
-was trained.
+the model reads its reward at the last token (`trainer.preferences.reward_texts`).
+`trainer.rewards.RewardModelScorer` builds its inputs with the same function, so a checkpoint
+scores GRPO completions exactly as it was trained.
 
 Departures from TRL's RewardTrainer: pairs longer than `max_length` are truncated from the left
 by default (keeping both replies and the latest turns of the prompt; the saved tokenizer keeps
@@ -21,7 +21,7 @@ that `truncation_side`), where TRL drops them (`truncation_mode=drop` does that 
 text data alike get the eos rule above (TRL adds eos to text data only, and fails on tokenizers
 without one, like BERT's).
 
-Read top to bottom: config, data, batches, the stage.
+Read top to bottom: config, batches, the stage (pairs are tokenized by `trainer.preferences`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Literal
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import DataError, describe_datasets, load_rows, report_lengths, split_eval
+from trainer.config import ConfigError, TrainConfig, option
+from trainer.data import describe_datasets, load_rows, split_eval
 from trainer.loop import (
     MetricWindow,
     Progress,
@@ -53,11 +53,12 @@ from trainer.models import (
     ModelError,
     apply_lora,
     count_parameters,
+    disable_dropout,
     load_reward_model,
     load_tokenizer,
     resolve_model_path,
 )
-from trainer.preferences import PreferenceText, load_pairs
+from trainer.preferences import TokenizedPairs, load_pairs, read_margins, tokenize_reward_pairs
 from trainer.storage import fetch_to_local, is_remote
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,16 @@ log = logging.getLogger(__name__)
 class RewardConfig(TrainConfig):
     """Reward-model training on preference pairs (Bradley–Terry)."""
 
-    learning_rate: float = _f(1e-4, "Peak learning rate (AdamW); TRL's RewardConfig default.")
-    truncation_mode: Literal["keep_start", "keep_end", "drop"] = _f(
+    learning_rate: float = option(1e-4, "Peak learning rate (AdamW); TRL's RewardConfig default.")
+    truncation_mode: Literal["keep_start", "keep_end", "drop"] = option(
         "keep_end", "Texts (prompt + reply) longer than `max_length`: `keep_end` cuts their start, so both replies "
                     "and the latest prompt turns stay; `keep_start` cuts their end (and may cut away the replies' "
                     "difference: such pairs are dropped); `drop` drops the pair, as TRL does. Counts are logged.")
-    center_rewards_coefficient: float | None = _f(
+    center_rewards_coefficient: float | None = option(
         None, "Weight c of the reward-centring term c·mean((r_chosen + r_rejected)²), which keeps rewards near 0 "
               "(Eisenstein et al. 2023, arXiv:2312.09244; TRL suggests 0.01). Unset = off.")
-    disable_dropout: bool = _f(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
-                                     "encoders ship with 0.1, so chosen and rejected would see different masks).")
+    disable_dropout: bool = option(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
+                                         "encoders ship with 0.1, so chosen and rejected would see different masks).")
 
     stage = "reward"
 
@@ -85,103 +86,6 @@ class RewardConfig(TrainConfig):
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             raise ConfigError(f"`center_rewards_coefficient` must be >= 0 (or unset), got "
                               f"{self.center_rewards_coefficient}.")
-
-
-# ----------------------------------------------------------------------------------------------
-# Data
-
-
-def _closes_with_eos(tokenizer) -> bool:
-    """Whether reward texts must end with the eos token: a causal LM reads the reward at the last
-    token, and eos gives that position a fixed meaning ("the reply ends here"). Encoders' tokenizers
-    close the sequence themselves (BERT: [CLS] … [SEP]), and may have no eos at all. (Where pad == eos,
-    transformers takes a final eos for padding and reads the token before it, as in TRL.)"""
-    if tokenizer.eos_token is None:
-        return False
-    ids = tokenizer("x")["input_ids"]
-    return not ids or ids[-1] not in tokenizer.all_special_ids
-
-
-def reward_texts(tokenizer, prompts: list[str], replies: list[str]) -> list[str]:
-    """The texts a reward model scores: prompt + reply (+ eos, see `_closes_with_eos`). A reply that
-    already ends with eos (chat templates close each turn with it) gets no second one."""
-    eos = tokenizer.eos_token if _closes_with_eos(tokenizer) else None
-    texts = [p + r for p, r in zip(prompts, replies)]
-    return [t + eos if eos and not t.rstrip().endswith(eos) else t for t in texts]
-
-
-def tokenize_texts(tokenizer, texts: list[str], max_length: int,
-                   drop_long: bool) -> tuple[list[list[int] | None], list[bool]]:
-    """Token ids of each text with the tokenizer's special tokens, and whether it was longer than
-    `max_length`. Long texts are cut on the tokenizer's `truncation_side` (special tokens kept), or
-    are None with `drop_long`."""
-    ids: list[list[int] | None] = tokenizer(texts, verbose=False)["input_ids"]  # no "too long" warning: handled
-    long = [len(x) > max_length for x in ids]
-    where = [i for i, is_long in enumerate(long) if is_long]
-    if where and not drop_long:
-        cut = tokenizer([texts[i] for i in where], truncation=True, max_length=max_length)["input_ids"]
-        for i, x in zip(where, cut):
-            ids[i] = x
-    else:
-        for i in where:
-            ids[i] = None
-    return ids, long
-
-
-def read_margins(rows, indices: list[int], name: str) -> list[float] | None:
-    """The optional `margin` column (Llama 2's preference strength) for the pairs kept from `rows`."""
-    if "margin" not in rows.column_names:
-        return None
-    column = rows["margin"]
-    margins = []
-    for i in indices:
-        value = column[i]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise DataError(f"{name}: row {i}: `margin` must be a finite number, got {value!r}.")
-        margins.append(float(value))
-    return margins
-
-
-@dataclass
-class TokenizedPairs:
-    """Token ids of each kept pair's chosen and rejected text, and its margin."""
-
-    chosen_ids: list[list[int]]
-    rejected_ids: list[list[int]]
-    margins: list[float] | None
-
-    def __len__(self) -> int:
-        return len(self.chosen_ids)
-
-
-def tokenize_pairs(pairs: list[PreferenceText], margins: list[float] | None, tokenizer, name: str,
-                   max_length: int, truncation_mode: str) -> TokenizedPairs:
-    """Tokenize pairs, apply the length policy and drop pairs whose two texts became identical."""
-    prompts = [p.prompt for p in pairs]
-    drop = truncation_mode == "drop"
-    chosen, chosen_long = tokenize_texts(tokenizer, reward_texts(tokenizer, prompts, [p.chosen for p in pairs]),
-                                         max_length, drop)
-    rejected, rejected_long = tokenize_texts(
-        tokenizer, reward_texts(tokenizer, prompts, [p.rejected for p in pairs]), max_length, drop)
-    out = TokenizedPairs([], [], [] if margins is not None else None)
-    long = identical = 0
-    for i, (c, r) in enumerate(zip(chosen, rejected)):
-        long += chosen_long[i] or rejected_long[i]
-        if c is None or r is None:
-            continue
-        if c == r:  # truncation cut away the only difference
-            identical += 1
-            continue
-        out.chosen_ids.append(c)
-        out.rejected_ids.append(r)
-        if margins is not None:
-            out.margins.append(margins[i])
-    if identical:
-        log.warning("%s: dropped %d pairs whose chosen and rejected texts are identical after truncation to "
-                    "max_length=%d (truncation_mode=%s); use keep_end.", name, identical, max_length, truncation_mode)
-    report_lengths(name, len(pairs), max_length, truncation_mode, 0 if drop else long, long if drop else 0, 0,
-                   len(out))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +117,8 @@ def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 def collate(data: TokenizedPairs, indices: list[int], pad_id: int) -> PairBatch:
-    seqs = [data.chosen_ids[i] for i in indices] + [data.rejected_ids[i] for i in indices]
+    seqs = ([data.prompt_ids[i] + data.chosen_ids[i] for i in indices]
+            + [data.prompt_ids[i] + data.rejected_ids[i] for i in indices])
     input_ids, attention = pad_right(seqs, pad_id)
     margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     return PairBatch(input_ids, attention, margin)
@@ -255,11 +160,6 @@ def _score_head(model) -> str:
                      "tell which module to train in full. Set `lora_r 0`.")
 
 
-def _disable_dropout(model) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
 
 # ----------------------------------------------------------------------------------------------
 # The stage
@@ -287,8 +187,8 @@ def run_reward(config: RewardConfig) -> str:
 
     def prepare(ds, name: str) -> TokenizedPairs:
         pairs, kept = load_pairs(ds, name, "reward", tokenizer)
-        return tokenize_pairs(pairs, read_margins(ds, kept, name), tokenizer, name, config.max_length,
-                              config.truncation_mode)
+        return tokenize_reward_pairs(pairs, read_margins(ds, kept, name), tokenizer, name, config.max_length,
+                                     config.truncation_mode)
 
     train_data = prepare(rows, config.dataset)
     eval_data = prepare(eval_rows, config.eval_dataset or "eval split") if eval_rows is not None else None
@@ -308,7 +208,7 @@ def run_reward(config: RewardConfig) -> str:
         raise ConfigError(f"`max_length` is {config.max_length} and texts of {longest} tokens remain, but "
                           f"{config.model} has {positions} positions: pass --max_length {positions} or less.")
     if config.disable_dropout:
-        _disable_dropout(model)
+        disable_dropout(model)
     if config.lora_r and not resume:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            task_type="SEQ_CLS", modules_to_save=[_score_head(model)])

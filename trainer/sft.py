@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import ConfigError, TrainConfig, _f
+from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import TokenizedSFT, describe_datasets, load_train_eval, pack_best_fit, tokenize_sft
 from trainer.logprobs import TargetLM, entropy, selective_log_softmax, target_logits
 from trainer.loop import total_steps
@@ -35,14 +35,14 @@ log = logging.getLogger(__name__)
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on text, prompt/completion or chat data."""
 
-    learning_rate: float = _f(2e-5, "Peak learning rate (AdamW).")
-    completion_only_loss: bool = _f(True, "For prompt/completion data: train on completion tokens only.")
-    assistant_only_loss: bool = _f(True, "For chat `messages`: train on assistant turns only.")
-    packing: bool = _f(False, "Pack several short examples into each row of `max_length` tokens "
+    learning_rate: float = option(2e-5, "Peak learning rate (AdamW).")
+    completion_only_loss: bool = option(True, "For prompt/completion data: train on completion tokens only.")
+    assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
+    packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
                               "(no attention across examples).")
-    num_sample_completions: int = _f(4, "Greedy sample completions of held-out prompts logged at the end "
+    num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
                                         "(0 = none).")
-    sample_max_new_tokens: int = _f(48, "Length of those sample completions.")
+    sample_max_new_tokens: int = option(48, "Length of those sample completions.")
 
     stage = "sft"
 

@@ -24,7 +24,7 @@ from tests.unit.test_grpo import prompts_file
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError
 from trainer.distributed import RANK_REPORT_ENV, rank_prompts
-from trainer.grpo import GRPOConfig, _check_ranks
+from trainer.grpo import GRPOConfig, check_ranks
 from trainer.loop import step_batches
 
 pytestmark = pytest.mark.integration
@@ -137,15 +137,15 @@ def test_rank_prompts_are_disjoint_equal_and_unchanged_for_one_process():
 
 def test_several_ranks_reject_what_they_cannot_run(tiny_model, tmp_path):
     config = GRPOConfig(model=tiny_model, dataset="demo", per_device_batch_size=16, num_generations=8)
-    _check_ranks(config, world=1, num_prompts=1, deepspeed=False)
+    check_ranks(config, world=1, num_prompts=1, deepspeed=False)
     with pytest.raises(ConfigError, match="need at least 8 prompts"):
-        _check_ranks(config, world=4, num_prompts=6, deepspeed=False)
+        check_ranks(config, world=4, num_prompts=6, deepspeed=False)
     vllm = GRPOConfig(model=tiny_model, dataset="demo", rollout_engine="vllm")
     with pytest.raises(ConfigError, match="vllm-server"):
-        _check_ranks(vllm, world=2, num_prompts=100, deepspeed=False)
+        check_ranks(vllm, world=2, num_prompts=100, deepspeed=False)
     remote = GRPOConfig(model=tiny_model, dataset="demo", save_steps=5, output_dir="s3://bucket/run")
     with pytest.raises(ConfigError, match="local"):
-        _check_ranks(remote, world=2, num_prompts=100, deepspeed=True)
+        check_ranks(remote, world=2, num_prompts=100, deepspeed=True)
 
 
 def test_shipped_deepspeed_and_accelerate_configs_load():

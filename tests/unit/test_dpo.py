@@ -13,10 +13,10 @@ import trainer.dpo as dpo
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, parse_config
 from trainer.data import DataError, load_rows
-from trainer.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps, tokenize_pairs
+from trainer.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps
 from trainer.loop import step_batches
 from trainer.models import apply_lora, load_causal_lm, load_tokenizer
-from trainer.preferences import PreferenceText
+from trainer.preferences import PreferenceText, tokenize_dpo_pairs
 
 TRL_METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
@@ -92,7 +92,7 @@ def test_explicit_ref_model_scores_the_reference(tiny_model, tmp_path):
     tokenizer = load_tokenizer(tiny_model)
     data = load_split(load_rows("demo:preferences"), "demo", tokenizer, config)
     (indices,) = step_batches(len(data), 8, 1, config.seed, 1)
-    batch = collate(indices, data, tokenizer.pad_token_id)
+    batch = collate(data, indices, tokenizer.pad_token_id)
     with torch.no_grad():
         policy = sequence_logps(load_causal_lm(tiny_model), batch).logps[:8]
         ref = sequence_logps(load_causal_lm(other), batch).logps[:8]
@@ -105,7 +105,7 @@ def test_lora_reference_is_the_base_model_and_lora_trains(tiny_model, tmp_path, 
     tokenizer = load_tokenizer(tiny_model)
     config = dpo_config(tiny_model, tmp_path)
     data = load_split(load_rows("demo:preferences").select(range(8)), "demo", tokenizer, config)
-    batch = collate(list(range(8)), data, tokenizer.pad_token_id)
+    batch = collate(data, list(range(8)), tokenizer.pad_token_id)
     policy = apply_lora(load_causal_lm(tiny_model), 8, 16, 0.0, ["all-linear"])
     with torch.no_grad():
         for name, param in policy.named_parameters():
@@ -166,8 +166,8 @@ def test_padding_free_batches_score_like_padded_ones(tiny_model, tmp_path):
     data = load_split(load_rows("demo:preferences").select(range(12)), "demo", tokenizer, dpo_config(tiny_model, tmp_path))
     data.prompt_ids[3] = []  # an empty prompt: the first reply token has nothing to be predicted from
     model = load_causal_lm(tiny_model)
-    padded = collate(list(range(12)), data, tokenizer.pad_token_id)
-    packed = collate(list(range(12)), data, tokenizer.pad_token_id, pack_to=128)
+    padded = collate(data, list(range(12)), tokenizer.pad_token_id)
+    packed = collate(data, list(range(12)), tokenizer.pad_token_id, pack_to=128)
     assert packed.input_ids.size(0) < 24 and packed.attention_mask is None
     assert packed.num_tokens == padded.num_tokens
     with torch.no_grad():
@@ -252,8 +252,8 @@ def test_tokenization_truncates_prompt_left_and_completion_per_mode(tiny_model, 
     long_ids = tokenizer(" yes " * 30, add_special_tokens=False)["input_ids"] + [eos]
 
     def run(mode):
-        return tokenize_pairs([pair], tokenizer, "t", chat=False, max_length=30, max_prompt_length=10,
-                              truncation_mode=mode, total_rows=1)
+        return tokenize_dpo_pairs([pair], tokenizer, "t", chat=False, max_length=30, max_prompt_length=10,
+                                  truncation_mode=mode, total_rows=1)
 
     with caplog.at_level(logging.WARNING):
         start = run("keep_start")
@@ -265,7 +265,7 @@ def test_tokenization_truncates_prompt_left_and_completion_per_mode(tiny_model, 
         run("drop")
     assert "lost their start" in caplog.text and "truncated" in caplog.text
     # Batches: chosen rows first, loss mask only on completion tokens.
-    batch = collate([0], start, tokenizer.pad_token_id)
+    batch = collate(start, [0], tokenizer.pad_token_id)
     assert batch.input_ids.shape == (2, 30)
     assert batch.completion_mask[0].tolist() == [0] * 10 + [1] * 20
     assert batch.completion_mask[1].tolist() == [0] * 10 + [1] * len(start.rejected_ids[0]) + [0] * (

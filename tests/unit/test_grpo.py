@@ -11,15 +11,16 @@ from safetensors.torch import load_file
 
 from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer.config import ConfigError
-from trainer.data import DataError
-from trainer.grpo import GRPOConfig, build_batch, run_grpo, token_logps
-from trainer.logprobs import (
+from trainer.attention import (
     SHARED_ATTENTION,
     register_shared_attention,
     share_prompts,
     shared_prompt_attention,
 )
+from trainer.completions import build_batch, token_logps
+from trainer.config import ConfigError
+from trainer.data import DataError
+from trainer.grpo import GRPOConfig, run_grpo
 from trainer.models import load_causal_lm
 from trainer.rewards import RewardError
 from trainer.rollout.base import Completion

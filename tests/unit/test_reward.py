@@ -17,7 +17,8 @@ from trainer import checkpoint as ckpt
 from trainer import reward
 from trainer.data import DataError
 from trainer.models import load_tokenizer
-from trainer.reward import RewardConfig, reward_texts, run_reward
+from trainer.preferences import reward_texts
+from trainer.reward import RewardConfig, run_reward
 from trainer.rewards import RewardModelScorer
 
 FILLER = ("apple river stone cloud green music paper light table window garden silver orange yellow bread "

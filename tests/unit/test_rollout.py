@@ -215,14 +215,14 @@ def test_hf_engine_is_a_context_manager_with_noop_lifecycle(policy, prompts):
 
 
 def test_vllm_engines_know_which_weights_a_sync_needs(tiny_model, policy):
-    from trainer.rollout.vllm_engine import _check_complete, _checkpoint_weight_names
+    from trainer.rollout.vllm_engine import check_complete, checkpoint_weight_names
 
     model, _ = policy
-    names = _checkpoint_weight_names(tiny_model)
+    names = checkpoint_weight_names(tiny_model)
     assert names and names <= set(model.state_dict())  # the tied lm_head is not stored
-    _check_complete(model.state_dict(), names)
+    check_complete(model.state_dict(), names)
     with pytest.raises(ValueError, match="2 missing"):
-        _check_complete([n for n in model.state_dict() if "layers.0.mlp.up_proj" not in n and n != "model.norm.weight"],
+        check_complete([n for n in model.state_dict() if "layers.0.mlp.up_proj" not in n and n != "model.norm.weight"],
                         names)
 
 
@@ -249,14 +249,14 @@ def test_vllm_reload_drops_only_the_benign_rotary_warning():
 
 
 def test_vllm_request_seeds_never_repeat_across_steps_prompts_and_samples():
-    from trainer.rollout.vllm_engine import _request_seed
+    from trainer.rollout.vllm_engine import request_seed
 
     per_sample = set()
     for step_seed in range(5):  # e.g. seed = config.seed + step
         sampling = SamplingConfig(max_new_tokens=4, n=8, seed=step_seed)
         for prompt in range(16):
-            first = _request_seed(sampling, prompt, per_request_seeds=True)
+            first = request_seed(sampling, prompt, per_request_seeds=True)
             per_sample.update(first + j for j in range(sampling.n))  # vLLM's child seeds
     assert len(per_sample) == 5 * 16 * 8
-    assert _request_seed(SamplingConfig(max_new_tokens=4), 3, per_request_seeds=True) is None
-    assert _request_seed(SamplingConfig(max_new_tokens=4, seed=1), 3, per_request_seeds=False) is None  # CPU
+    assert request_seed(SamplingConfig(max_new_tokens=4), 3, per_request_seeds=True) is None
+    assert request_seed(SamplingConfig(max_new_tokens=4, seed=1), 3, per_request_seeds=False) is None  # CPU

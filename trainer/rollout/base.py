@@ -33,7 +33,7 @@ class SamplingConfig:
     # sample of the call gets its own seed, and seeds s and s+1 share none. None continues the
     # engine's own stream (seeded by make_engine(seed=...)): reproducible for `hf` and in-process
     # `vllm`, not for `vllm-server` (concurrent requests batch in arrival order). A CPU sidecar
-    # ignores seeds (vLLM-CPU cannot seed requests; see vllm_engine._request_seed).
+    # ignores seeds (vLLM-CPU cannot seed requests; see vllm_engine.request_seed).
     seed: int | None = None
     # Generation stops after the first of these ids (which is kept in the completion). Nothing
     # else stops it: the model's own eos only counts when it is listed here.
