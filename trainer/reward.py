@@ -28,26 +28,14 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, TrainConfig, option
-from trainer.data import describe_datasets, load_rows, split_eval
-from trainer.loop import (
-    MetricWindow,
-    Progress,
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    set_seed,
-    step_batches,
-    total_steps,
-)
+from trainer.data import describe_datasets, load_train_eval
+from trainer.loop import total_steps
 from trainer.losses import bradley_terry_loss
 from trainer.models import (
     ModelError,
@@ -59,7 +47,7 @@ from trainer.models import (
     resolve_model_path,
 )
 from trainer.preferences import TokenizedPairs, load_pairs, read_margins, tokenize_reward_pairs
-from trainer.storage import fetch_to_local, is_remote
+from trainer.runner import StageRunner, to_device
 
 log = logging.getLogger(__name__)
 
@@ -136,18 +124,25 @@ def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, data: TokenizedPairs, batch_size: int, pad_id: int,
-             center_rewards_coefficient: float | None) -> dict[str, float]:
-    """Loss and statistics over the whole eval set (not a mean of batch means)."""
-    model.eval()
+def evaluate(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, float]:
+    """Loss and statistics over the whole eval set (not a mean of batch means); each rank scores its share."""
+    from accelerate.utils import gather_object
+
+    run.module.eval()
     chosen, rejected = [], []
-    for start in range(0, len(data), batch_size):
-        c, r = pair_rewards(model, collate(data, list(range(start, min(start + batch_size, len(data)))), pad_id))
-        chosen.append(c)
-        rejected.append(r)
-    model.train()
+    for part in run.rank_slice(len(data)):
+        batch = to_device(collate(data, list(part or range(1)), pad_id), run.device)
+        with run.accelerator.autocast():
+            c, r = pair_rewards(run.model, batch)  # an empty share still runs one forward (ZeRO-3)
+        if len(part):
+            chosen += c.tolist()
+            rejected += r.tolist()
+    run.module.train()
+    if run.world > 1:  # shares are contiguous, so rank order is data order
+        chosen, rejected = (sum(gather_object([x]), []) for x in (chosen, rejected))
     margin = torch.tensor(data.margins) if data.margins is not None else None
-    loss, stats = bradley_terry_loss(torch.cat(chosen), torch.cat(rejected), margin, center_rewards_coefficient)
+    loss, stats = bradley_terry_loss(torch.tensor(chosen), torch.tensor(rejected), margin,
+                                     run.config.center_rewards_coefficient)
     return {"eval_loss": float(loss), **{f"eval_{k}": float(v) for k, v in stats.items()}}
 
 
@@ -165,10 +160,40 @@ def _score_head(model) -> str:
 # The stage
 
 
+def train_step(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, float]:
+    """One optimizer step over this rank's share of the step's pairs; returns the step's metrics."""
+    step = run.state.global_step + 1
+    micro = [(collate(data, part.indices, pad_id), part.weight) for part in run.rank_batches(len(data), step)]
+    step_pairs = run.sum_over_ranks({"n": sum(w * b.num_pairs for b, w in micro)})["n"]
+    sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward", "tokens"), 0.0)
+    low, high = math.inf, -math.inf
+    for i, (batch, weight) in enumerate(micro):
+        with run.micro_batch(last=i == len(micro) - 1):
+            chosen, rejected = pair_rewards(run.model, to_device(batch, run.device))
+            loss, stats = bradley_terry_loss(chosen, rejected, batch.margin, run.config.center_rewards_coefficient)
+            # Both terms of the loss are means over the micro-batch's pairs: weight by its share of
+            # the step's pairs on all ranks (x world size: the ranks' gradients are averaged).
+            share = weight * batch.num_pairs / step_pairs
+            run.backward(loss * share * run.world)
+        for key, value in (("loss", loss.detach()), *((k, stats[k]) for k in ("accuracy", "margin", "mean_reward"))):
+            sums[key] += float(value) * share
+        sums["tokens"] += weight * int(batch.attention_mask.sum())
+        if weight:
+            low, high = min(low, float(stats["min_reward"])), max(high, float(stats["max_reward"]))
+    grad_norm = run.optimizer_step()
+    sums = run.sum_over_ranks(sums)
+    run.state.global_step = step
+    run.state.num_tokens += int(sums.pop("tokens"))
+    return {**sums, "min_reward": run.extreme_over_ranks(low, largest=False),
+            "max_reward": run.extreme_over_ranks(high, largest=True), "grad_norm": grad_norm}
+
+
 def run_reward(config: RewardConfig) -> str:
-    """Train, checkpoint and save a reward model; returns `config.output_dir` (holding it)."""
-    set_seed(config.seed)
-    started = time.perf_counter()
+    """Train, checkpoint and save a reward model; returns `config.output_dir` (holding it).
+
+    Under `accelerate launch` (or `alignflow train reward --num_processes N`) every process runs it as one rank.
+    """
+    run = StageRunner("reward", config)
 
     # 1. Data, validated before the model is loaded.
     model_path = resolve_model_path(config.model)
@@ -177,13 +202,7 @@ def run_reward(config: RewardConfig) -> str:
     # writes only attributes listed in init_kwargs).
     tokenizer.truncation_side = tokenizer.init_kwargs["truncation_side"] = (
         "left" if config.truncation_mode == "keep_end" else "right")
-    rows = load_rows(config.dataset, config.dataset_split)
-    if config.eval_dataset:
-        eval_rows = load_rows(config.eval_dataset, config.dataset_split)
-    elif config.eval_split_ratio:
-        rows, eval_rows = split_eval(rows, config.eval_split_ratio, config.seed)
-    else:
-        eval_rows = None
+    rows, eval_rows = load_train_eval(config)
 
     def prepare(ds, name: str) -> TokenizedPairs:
         pairs, kept = load_pairs(ds, name, "reward", tokenizer)
@@ -192,14 +211,12 @@ def run_reward(config: RewardConfig) -> str:
 
     train_data = prepare(rows, config.dataset)
     eval_data = prepare(eval_rows, config.eval_dataset or "eval split") if eval_rows is not None else None
-    steps = total_steps(config, len(train_data))
+    steps = total_steps(config, len(train_data), run.world)
     log.info("Reward model: %d pairs%s; %d optimizer steps.", len(train_data),
              f" ({len(eval_data)} held out)" if eval_data else "", steps)
 
     # 2. Model, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
-    if resume and is_remote(resume):
-        resume = fetch_to_local(resume)
+    resume = run.resume_checkpoint()
     model = load_reward_model(resume or model_path, tokenizer.pad_token_id, config.dtype, config.trust_remote_code,
                               config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -215,69 +232,24 @@ def run_reward(config: RewardConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config, steps)
-    run = ckpt.StageRun("reward", config, model, tokenizer, optimizer, scheduler, resume,
-                        describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
-                                          {"pairs": len(eval_data)} if eval_data is not None else None))
-    state, tracker = run.state, run.tracker
-    # 3. The loop.
-    pad_id = tokenizer.pad_token_id
-    pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
-    window = MetricWindow()
-    progress = Progress(steps, state.global_step, "reward", config.disable_progress_bar)
-    try:
-        while state.global_step < steps:
-            step = state.global_step + 1
-            micro = [collate(train_data, idx, pad_id)
-                     for idx in step_batches(len(train_data), config.per_device_batch_size,
-                                             config.gradient_accumulation_steps, config.seed, step)]
-            step_pairs = sum(b.num_pairs for b in micro)
-            sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward"), 0.0)
-            low, high = math.inf, -math.inf
-            for batch in micro:
-                chosen, rejected = pair_rewards(model, batch)
-                loss, stats = bradley_terry_loss(chosen, rejected, batch.margin, config.center_rewards_coefficient)
-                # Both terms of the loss are means over the micro-batch's pairs: weight by its share.
-                weight = batch.num_pairs / step_pairs
-                (loss * weight).backward()
-                sums["loss"] += float(loss.detach()) * weight
-                for key in ("accuracy", "margin", "mean_reward"):
-                    sums[key] += float(stats[key]) * weight
-                low, high = min(low, float(stats["min_reward"])), max(high, float(stats["max_reward"]))
-                state.num_tokens += int(batch.attention_mask.sum())
-            grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
-            state.global_step = step
-            window.add({**sums, "min_reward": low, "max_reward": high, "grad_norm": grad_norm})
-            logged = None
-            if step % config.logging_steps == 0 or step == steps:
-                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
-                          "num_tokens": float(state.num_tokens), "epoch": step * pairs_per_step / len(train_data)}
-                if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
-                    logged.update(evaluate(model, eval_data, config.per_device_batch_size, pad_id,
-                                           config.center_rewards_coefficient))
-                tracker.log_metrics(logged, step)
-                run.last_metrics = logged
-            progress.update(step, logged)
-            if config.save_steps and step % config.save_steps == 0 and step != steps:
-                run.save("step")
-        progress.close()
+    run.tokenizer = tokenizer
+    with run.failing():
+        run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
+                                                    {"pairs": len(eval_data)} if eval_data is not None else None))
+
+        # 3. The loop.
+        pad_id = tokenizer.pad_token_id
+        pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps * run.world
+        while run.state.global_step < steps:
+            metrics = train_step(run, train_data, pad_id)
+            step = run.state.global_step
+            metrics["epoch"] = step * pairs_per_step / len(train_data)
+            run.log_step(step, metrics, evaluate=(lambda: evaluate(run, eval_data, pad_id)) if eval_data else None)
+            run.maybe_save(step)
 
         # 4. Final evaluation and the model.
         if eval_data:
-            final_eval = evaluate(model, eval_data, config.per_device_batch_size, pad_id,
-                                  config.center_rewards_coefficient)
-            tracker.log_metrics(final_eval, state.global_step)
-            run.last_metrics = {**run.last_metrics, **final_eval}
-        run.last_metrics["train_runtime"] = time.perf_counter() - started
-        run.save("final")
-        tracker.log_dict(run.manifest(), ckpt.MANIFEST)
-        if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
-            tracker.log_artifacts(config.output_dir, "checkpoint")
-        tracker.finish()
-    except BaseException:
-        progress.close()
-        tracker.finish("FAILED")
-        raise
-    log.info("Reward model done in %.1fs; saved to %s", time.perf_counter() - started, config.output_dir)
-    return str(Path(config.output_dir)) if not is_remote(config.output_dir) else config.output_dir
+            final_eval = evaluate(run, eval_data, pad_id)
+            run.tracker.log_metrics(final_eval, run.state.global_step)
+            run.last_metrics.update(final_eval)
+        return run.finish()

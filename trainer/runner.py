@@ -154,10 +154,10 @@ class StageRunner:
             out.append(RankBatch(mine, 1.0) if mine else RankBatch(batch[:1], 0.0))
         return out
 
-    def rank_slice(self, num_items: int) -> list[range]:
-        """Batches of `per_device_batch_size` over this rank's contiguous share of `num_items` items
-        (evaluation, precomputing); every rank gets the same number of batches (possibly empty ones)."""
-        size = self.config.per_device_batch_size
+    def rank_slice(self, num_items: int, batch_size: int = 0) -> list[range]:
+        """Batches of `batch_size` (default `per_device_batch_size`) over this rank's contiguous share of
+        `num_items` items (evaluation, precomputing); every rank gets as many batches (maybe empty ones)."""
+        size = batch_size or self.config.per_device_batch_size
         share = -(-num_items // self.world)
         start, stop = min(self.rank * share, num_items), min((self.rank + 1) * share, num_items)
         return [range(i, min(i + size, stop)) if i < stop else range(0) for i in range(start, start + share, size)]
@@ -166,7 +166,7 @@ class StageRunner:
         """Key-by-key sums over all ranks (every rank must call it at the same point)."""
         if self.world == 1 or not values:
             return dict(values)
-        keys = sorted(values)
+        keys = list(values)  # same insertion order on every rank: the stages build these dicts alike
         total = self.accelerator.reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
                                                      device=self.device), "sum")
         return dict(zip(keys, total.tolist()))
