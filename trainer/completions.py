@@ -13,20 +13,19 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from trainer import distributed
 from trainer.attention import SHARED_ATTENTION, register_shared_attention, share_prompts
 from trainer.data import is_conversational, render_chat
 from trainer.logprobs import entropy, selective_log_softmax, target_logits, to_padded
 
 
-def prompt_token_ids(prompt, tokenizer, max_prompt_length: int) -> list[int]:
-    """Tokenize a text or chat prompt and keep its last `max_prompt_length` tokens (left truncation)."""
+def prompt_token_ids(prompt, tokenizer, max_prompt_length: int | None = None) -> list[int]:
+    """Tokenize a text or chat prompt; with `max_prompt_length`, keep its last that many tokens (left truncation)."""
     if is_conversational(prompt):
         text = render_chat(tokenizer, prompt, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    return ids[-max_prompt_length:]
+    return ids[-max_prompt_length:] if max_prompt_length else ids
 
 
 @dataclass
@@ -82,18 +81,17 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
     """
     input_ids, attention_mask = batch.input_ids[rows], batch.attention_mask[rows]
     completion_mask = batch.completion_mask[rows]
-    logits_of = distributed.wrapped_target_logits if distributed.is_wrapped(model) else target_logits
     P, C = batch.prompt_width, input_ids.shape[1] - batch.prompt_width
     shared = None
     if group_size and _can_share_prompts(model, row_length=P + group_size * C):
         shared = share_prompts(input_ids, attention_mask, completion_mask, P, group_size, _model_dtype(model))
     if shared is not None:
-        out = logits_of(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
+        out = target_logits(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
                         shared.sources, shared.model_kwargs)
         out_rows, out_cols = shared.unshare(out.rows, out.cols)
     else:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
-        out = logits_of(model, input_ids, completion_mask, attention_mask, position_ids)
+        out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
         out_rows, out_cols = out.rows, out.cols
     logps = to_padded(selective_log_softmax(out.logits, out.targets), out_rows, out_cols, input_ids.shape)
     ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from trainer.logprobs import TargetLogits, target_positions
 from trainer.loop import step_batches
 from trainer.tracking import Tracker
 
@@ -157,36 +156,8 @@ def rank_prompts(num_prompts: int, per_rank: int, rank: int, world: int, seed: i
     return picked[rank * per_rank:(rank + 1) * per_rank]
 
 
-def rollout_seed(seed: int, rank: int, world: int) -> int:
-    """A per-call sampling seed distinct for every (seed, rank) pair; `seed` itself with one process."""
-    return seed * world + rank
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward, backward, optimizer step
-
-
-def is_wrapped(model) -> bool:
-    """True for a model that accelerate wrapped (DDP, DeepSpeed, FSDP), whose forward must be called as such."""
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model) is not model
-
-
-def wrapped_target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
-                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          sources: torch.Tensor | None = None, model_kwargs: dict | None = None) -> TargetLogits:
-    """`trainer.logprobs.target_logits` through the wrapper's own forward (see the module docstring).
-
-    The LM head still skips most prompt positions: transformers' `logits_to_keep` keeps the last
-    k positions, from the one predicting the first target on. For GRPO's right-aligned
-    completions that is the completion block plus one. [B, T] -> TargetLogits with N targets.
-    """
-    rows, cols, src = target_positions(target_mask, sources)
-    first = int(src.min()) if src.numel() else input_ids.shape[1] - 1  # earliest predicting position
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=input_ids.shape[1] - first, **(model_kwargs or {})).logits  # [B, T - first, V]
-    return TargetLogits(logits=logits[rows, src - first], targets=input_ids[rows, cols], rows=rows, cols=cols)
 
 
 @contextlib.contextmanager

@@ -133,7 +133,7 @@ class Progress:
         self.total = total
 
     def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        self.bar.update(1)
+        self.bar.update(step - self.bar.n)
         if metrics:
             shown = {k: f"{v:.4g}" for k, v in metrics.items() if k in ("loss", "reward", "eval_loss", "accuracy")}
             self.bar.set_postfix(shown, refresh=False)

@@ -199,25 +199,30 @@ class StageRunner:
 
     # --- logging and saving --------------------------------------------------------------------
 
-    def log_step(self, step: int, metrics: dict[str, float], evaluate=None) -> dict[str, float] | None:
-        """Add a step's metrics to the window; every `logging_steps` (and at the last step) log the
-        window's means with the learning rate and token count, plus `evaluate()` every `eval_steps`."""
+    def log_step(self, step: int, metrics: dict[str, float], evaluate=None, span: int = 1,
+                 rank_means: bool = False) -> dict[str, float] | None:
+        """Add the metrics of the `span` optimizer steps that ended at `step` to the window; every
+        `logging_steps` steps (and at the last) log the window's means with the learning rate and
+        token count, plus `evaluate()` every `eval_steps`. `rank_means`: the metrics are this rank's
+        own and are averaged over ranks when logged (otherwise they are already global)."""
         config = self.config
         self.window.add(metrics)
         logged = None
-        if step % config.logging_steps == 0 or step >= self.total_steps:
-            logged = {**self.window.pop(), "learning_rate": self.learning_rate, "num_tokens": float(self.state.num_tokens)}
-            if evaluate is not None and config.eval_steps and step % config.eval_steps == 0 and step < self.total_steps:
+        if step % config.logging_steps < span or step >= self.total_steps:
+            window = self.window.pop()
+            logged = {**(distributed.mean_over_ranks(window) if rank_means else window),
+                      "learning_rate": self.learning_rate, "num_tokens": float(self.state.num_tokens)}
+            if evaluate is not None and config.eval_steps and step % config.eval_steps < span and step < self.total_steps:
                 logged.update(evaluate())
             self.tracker.log_metrics(logged, step)
             self.last_metrics = logged
         self.progress.update(step, logged)
         return logged
 
-    def maybe_save(self, step: int) -> None:
+    def maybe_save(self, step: int, span: int = 1) -> None:
         """A resumable step checkpoint every `save_steps` steps or `save_minutes` minutes (never at the last step)."""
         config = self.config
-        due = bool(config.save_steps) and step % config.save_steps == 0
+        due = bool(config.save_steps) and step % config.save_steps < span
         if config.save_minutes and time.monotonic() - self._saved_at >= 60 * config.save_minutes:
             due = True
         # Rank 0's clock decides, so that every rank takes part in the same saves.

