@@ -1,6 +1,6 @@
 """GRPO on two CPU processes under `accelerate launch`: every group stays whole on one rank, both ranks
 end with the same weights, rank 0 alone writes checkpoints and metrics, the toy reward of
-tests/unit/test_grpo.py rises, and a run resumed from a step checkpoint ends where the straight run ends.
+tests/helpers.py rises, and a run resumed from a step checkpoint ends where the straight run ends.
 
 `accelerate launch --cpu --num_processes 2` starts ONE process unless mpirun is configured, so
 the tests launch with `--multi_gpu` (torchrun underneath); without CUDA, trainer/distributed.py
@@ -9,10 +9,6 @@ in-process vLLM supports one process so far, and a vLLM sidecar per rank is too 
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,46 +16,18 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.unit.test_grpo import prompts_file
+from tests.helpers import LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS, launch_grpo, prompts_file
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError
-from trainer.distributed import RANK_REPORT_ENV, rank_prompts
+from trainer.distributed import rank_prompts
 from trainer.grpo import GRPOConfig, check_ranks
 from trainer.loop import step_batches
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-G, PER_RANK_COMPLETIONS, STEPS = 8, 16, 20  # 2 prompts per rank per cycle, 4 per cycle in all
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-CPU_LAUNCH = ("--multi_gpu", "--num_processes", "2", "--mixed_precision", "no")
-
-
-def launch_grpo(model: str, dataset: str, out: Path, report_dir: Path, *extra: str,
-                launch: tuple[str, ...] = CPU_LAUNCH) -> subprocess.CompletedProcess:
-    """`accelerate launch [launch flags] -m trainer.cli train grpo` on the toy task, from the repository root."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-               "-m", "trainer.cli", "train", "grpo", "--model", model, "--dataset", dataset, "--output_dir", str(out),
-               "--reward_funcs", "tests.unit.test_grpo:target_frequency", "--num_generations", str(G),
-               "--per_device_batch_size", str(PER_RANK_COMPLETIONS), "--max_completion_length", "12",
-               "--max_prompt_length", "32", "--learning_rate", "2e-2", "--max_steps", str(STEPS),
-               "--logging_steps", "1", "--log_completions_steps", "0", "--disable_progress_bar", "true", *extra]
-    env = dict(os.environ)
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.update({RANK_REPORT_ENV: str(report_dir), "PYTHONUNBUFFERED": "1",
-                # No user-level `accelerate config` (default_config.yaml) may change the launch.
-                "HF_HOME": str(out.parent / "hf_home")})
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done
+# What launch_grpo runs: 2 prompts per rank per cycle, 4 per cycle in all.
+G, PER_RANK_COMPLETIONS, STEPS = LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS
 
 
 @pytest.fixture(scope="module")

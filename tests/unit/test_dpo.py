@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.dpo as dpo
+from tests.helpers import history, write_jsonl
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, parse_config
 from trainer.data import DataError, load_rows
@@ -30,10 +31,6 @@ def dpo_config(model: str, out: Path, **overrides) -> DPOConfig:
     return DPOConfig(**values)
 
 
-def history(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / ckpt.METRICS_FILE).read_text().splitlines()]
-
-
 def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "model.safetensors")
 
@@ -52,6 +49,7 @@ def count_model_loads(monkeypatch):
     return loads
 
 
+@pytest.mark.training
 def test_dpo_learns_to_prefer_chosen_on_held_out_pairs(tiny_model, tmp_path):
     out = tmp_path / "dpo"
     run_dpo(dpo_config(tiny_model, out, max_steps=120, logging_steps=10, eval_split_ratio=0.1))
@@ -101,6 +99,7 @@ def test_explicit_ref_model_scores_the_reference(tiny_model, tmp_path):
     assert history(out)[0]["rewards/chosen"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.training
 def test_lora_reference_is_the_base_model_and_lora_trains(tiny_model, tmp_path, count_model_loads):
     tokenizer = load_tokenizer(tiny_model)
     config = dpo_config(tiny_model, tmp_path)
@@ -232,10 +231,9 @@ def test_sft_data_fails_before_the_model_loads(tiny_model, tmp_path, count_model
 
 
 def test_identical_pairs_are_dropped_with_a_warning(tiny_model, tmp_path, caplog):
-    path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": "What is 2 plus 2?", "chosen": " 4.", "rejected": " 5."}] * 5
     rows += [{"prompt": "Say yes.", "chosen": " Yes.", "rejected": " Yes."}] * 3
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "dropped"
     with caplog.at_level(logging.WARNING, logger="trainer.preferences"):
         run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=1))
@@ -278,7 +276,7 @@ def test_chat_pairs_train(tiny_model, tmp_path):
     row = {"prompt": [{"role": "user", "content": "Capital of Peru?"}],
            "chosen": [{"role": "assistant", "content": "Lima."}],
            "rejected": [{"role": "assistant", "content": "Paris."}]}
-    path.write_text(json.dumps(row) + "\n")
+    write_jsonl(path, [row])
     out = tmp_path / "chat"
     run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=5, per_device_batch_size=1))
     tokenizer = load_tokenizer(tiny_model)

@@ -9,20 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.helpers import forward_logprobs, model_greedy, perturb
 from trainer.rollout import Completion, HFEngine, RolloutEngine, SamplingConfig, make_engine
 from trainer.rollout.base import fill_to_n, truncate_at_stop
 
 MAX_NEW = 16
-
-
-def perturb(model, seed: int, scale: float = 0.3) -> None:
-    """Add seeded noise to every weight: a random-init tiny model only repeats its last token."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +32,6 @@ def prompts(policy) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     vocab = policy[0].config.vocab_size
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (3, 9, 20)]
-
-
-def forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0,
-                     top_k: int | None = None) -> torch.Tensor:
-    """log p(completion[t] | prompt, completion[:t]) from one plain forward pass. -> [L]"""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature  # [L, V]
-    if top_k is not None:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def model_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain `model.generate` on one unpadded prompt, no stop token."""
-    with torch.no_grad():
-        out = model.eval().generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    model.train()
-    return out[0, len(prompt):].tolist()
 
 
 # -- the interface ------------------------------------------------------------------------------
