@@ -306,7 +306,7 @@ def cycle_metrics(run: StageRunner, traj: Trajectory, names: list[str]) -> dict[
         "reward": float(stats["reward"]), "reward_std": float(stats["reward_std"]),
         "frac_reward_zero_std": float(stats["frac_reward_zero_std"]),
         **{f"rewards/{n}/mean": float(torch.nanmean(per_func[:, j])) for j, n in enumerate(names)},
-        **{f"rewards/{n}/std": float(nanstd(per_func[:, j])) for j, n in enumerate(names)},
+        **{f"rewards/{n}/std": float(nanstd(per_func[:, j]).nan_to_num()) for j, n in enumerate(names)},
         "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
     }
