@@ -301,6 +301,11 @@ def child_main(spec: dict, runs: dict[str, Callable[[dict, float], dict]]) -> No
     write_result(result)
 
 
+def precision(bf16: bool) -> str:
+    """The settings line's name for the precision of a run."""
+    return "bf16 mixed precision (fp32 weights)" if bf16 else "float32"
+
+
 def torch_threads(threads: int) -> None:
     import torch
 
@@ -312,13 +317,17 @@ def steady_steps(train_start: float, step_ends: list[float], warmup_steps: int, 
 
     A step's time runs from the end of the previous optimizer step (or the start of training) to
     the end of its own. For each named count per step (`tokens=[...]`, `pairs=[...]`) gives
-    `<name>_per_s` and `<name>_per_step` over the timed steps.
+    `<name>_per_s` and `<name>_per_step` over the timed steps. `s_per_step` is their mean,
+    `step_median_s` the median of the single timed steps (robust to a stall on a shared machine).
     """
     warm = min(warmup_steps, len(step_ends) - 1)
     begin = step_ends[warm - 1] if warm else train_start
     seconds = step_ends[-1] - begin
     timed = len(step_ends) - warm
-    out = {"s_per_step": seconds / timed, "train_s": step_ends[-1] - train_start, "steps": len(step_ends)}
+    starts = [train_start, *step_ends[:-1]]
+    durations = [end - start for start, end in zip(starts[warm:], step_ends[warm:])]
+    out = {"s_per_step": seconds / timed, "step_median_s": statistics.median(durations),
+           "train_s": step_ends[-1] - train_start, "steps": len(step_ends)}
     for name, counts in per_step.items():
         out[f"{name}_per_s"] = sum(counts[warm:]) / seconds
         out[f"{name}_per_step"] = sum(counts[warm:]) / timed

@@ -5,9 +5,10 @@
 For each model, both trainers train on the same Anthropic HH harmless-base pairs with the same
 batch size, max_length, learning rate and linear schedule, beta=0.1, loss_type=sigmoid, a frozen
 copy of the starting model as reference (loaded from the same folder), reference log-probs
-computed on the fly (no precomputation), float32, 2 torch threads, no gradient checkpointing
-(TRL turns it on by default; alignflow does not), dropout off (both defaults), no evaluation, no
-MLflow/report_to, and logging only at the end. alignflow runs with its defaults, which pack each
+computed on the fly (no precomputation), float32 (or, with `--bf16`, bf16 mixed precision in
+both: `bf16=True`, float32 weights and AdamW state, bfloat16 autocast), 2 torch threads, no
+gradient checkpointing (TRL turns it on by default; alignflow does not), dropout off (both
+defaults), no evaluation, no MLflow/report_to, and logging only at the end. alignflow runs with its defaults, which pack each
 batch's 2B sequences into rows of `max_length` (`padding_free`, exact: position ids restart per
 sequence); `--trainers alignflow,trl,alignflow-padded` adds a row with padding_free=False, the
 layout TRL 1.16 uses (2B rows padded to the longest; its padding-free mode is switched off).
@@ -22,10 +23,11 @@ tokenizer), so neither trainer truncates and both see the same tokens.
 
 What is timed: the training steps only, as the time between the ends of consecutive optimizer
 steps (batching, policy and reference forwards, backward, clipping, optimizer), leaving out the
-first `--warmup-steps`. Imports, data preparation (reading and tokenizing), model loading
-(policy and reference) and saving are separate phases; "wall s" is the whole process, everything
-included. Pairs/s counts the pairs trained on in the timed steps; tokens/step (real, non-pad
-tokens of all 2B sequences) is a sanity check that both did the same work.
+first `--warmup-steps` ("s/step" is their mean, "median step s" the median single step).
+Imports, data preparation (reading and tokenizing), model loading (policy and reference) and
+saving are separate phases; "wall s" is the whole process, everything included. Pairs/s
+counts the pairs trained on in the timed steps; tokens/step (real, non-pad tokens of all 2B
+sequences) is a sanity check that both did the same work.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def child_alignflow(spec: dict, started: float) -> dict:
                                                                        "tokens": batch.num_tokens})
     config = dpo.DPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
-        max_steps=spec["steps"], per_device_batch_size=spec["batch_size"], learning_rate=spec["learning_rate"],
+        bf16=spec["bf16"], max_steps=spec["steps"], per_device_batch_size=spec["batch_size"],
+        learning_rate=spec["learning_rate"],
         lr_scheduler="linear", warmup_ratio=0.0, max_length=spec["max_length"], beta=spec["beta"],
         loss_type="sigmoid", precompute_ref_log_probs=False, padding_free=spec["trainer"] != "alignflow-padded",
         seed=spec["seed"], disable_progress_bar=True,
@@ -100,7 +103,7 @@ def child_trl(spec: dict, started: float) -> dict:
         output_dir=spec["out_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=1, learning_rate=spec["learning_rate"], lr_scheduler_type="linear",
         warmup_steps=0, max_length=spec["max_length"], truncation_mode="keep_start", beta=spec["beta"],
-        loss_type=["sigmoid"], precompute_ref_log_probs=False, bf16=False, fp16=False, use_cpu=True,
+        loss_type=["sigmoid"], precompute_ref_log_probs=False, bf16=spec["bf16"], fp16=False, use_cpu=True,
         gradient_checkpointing=False, seed=spec["seed"], logging_steps=10**9, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
     init_start = common.clock()
@@ -157,6 +160,7 @@ def prepare_data(source: Path, out: Path, model_dir: Path, num_pairs: int, max_l
 
 
 COLUMNS = [("pairs_per_s", "pairs/s"), ("tokens_per_s", "tok/s"), ("s_per_step", "s/step"),
+           ("step_median_s", "median step s"),
            ("peak_rss_mb", "peak RSS MB"), ("import_s", "import s"), ("data_s", "data s"), ("load_s", "load s"),
            ("train_s", "train s"), ("save_s", "save s"), ("wall_s", "wall s"), ("tokens_per_step", "tok/step"),
            ("loss", "loss")]
@@ -192,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.1, help="DPO beta.")
     parser.add_argument("--learning-rate", type=float, default=5e-6, help="Peak learning rate (linear decay, no warmup).")
     parser.add_argument("--num-pairs", type=int, default=256, help="HH pairs used (the first N that fit).")
+    parser.add_argument("--bf16", action="store_true",
+                        help="Mixed precision in both trainers: `bf16=True` (bfloat16 autocast, float32 weights).")
     args = parser.parse_args(argv)
     if args.child:
         return common.child_main(json.loads(args.child), {"trl": child_trl, "": child_alignflow})
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                      dict(trainer=trainer, model_path=str(path), data_path=str(data), steps=steps,
                           batch_size=args.batch_size, learning_rate=args.learning_rate, beta=args.beta,
                           max_length=args.max_length, threads=args.threads, warmup_steps=args.warmup_steps,
-                          seed=args.seed))
+                          seed=args.seed, bf16=args.bf16))
                     for repeat, trainer in common.alternating(trainers, args.repeats)]
             runs += common.run_trainers(__file__, plan, work, args.threads, args.timeout, show=lambda r: (
                 f"{r['pairs_per_s']:.2f} pairs/s, {r['s_per_step']:.3f} s/step, {r['peak_rss_mb']:.0f} MB, "
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     medians = common.median_rows(runs, ["model", "trainer"])
     settings = (f"batch {args.batch_size} pairs, max_length {args.max_length}, beta {args.beta}, sigmoid, "
-                f"lr {args.learning_rate} linear, float32, {args.threads} threads, frozen-copy reference, "
+                f"lr {args.learning_rate} linear, {common.precision(args.bf16)}, {args.threads} threads, frozen-copy reference, "
                 "HH harmless-base pairs " + ", ".join(
                     f"{m}: {d['pairs']} pairs ~{d['tokens_per_pair']:.0f} tok/pair" for m, d in data_info.items())
                 + ", steps " + ", ".join(f"{m}={args.steps or default_steps(m)}" for m in models)

@@ -5,15 +5,18 @@
 For each model and packing setting, both trainers train on the same GSM8K prompt/completion
 subset with the same batch size, max_length, gradient accumulation, learning rate and linear
 schedule, completion-only loss, float32, 2 torch threads, no gradient checkpointing (TRL turns
-it on by default; alignflow does not), and both save the final model. Every run is its own
-process, so each peak RSS belongs to one trainer; runs alternate between the trainers and the
-table shows medians over `--repeats`.
+it on by default; alignflow does not), and both save the final model. `--bf16` gives both
+trainers bf16 mixed precision instead (`bf16=True` in both configs: float32 weights, gradients
+and AdamW state, forward and backward under bfloat16 autocast; TRL's own default on hardware
+with bf16). Every run is its own process, so each peak RSS belongs to one trainer; runs
+alternate between the trainers and the table shows medians over `--repeats`.
 
 What is timed: the training steps only, as the time between the ends of consecutive optimizer
 steps (batch building, forward, backward, clipping, optimizer and scheduler), leaving out the
-first `--warmup-steps`. Imports, data preparation (tokenizing, packing), model loading and
-saving are separate phases. Tokens are counted the same way for both: the real (non-pad) input
-tokens of every micro-batch the model trains on.
+first `--warmup-steps` ("s/step" is their mean, "median step s" the median single step).
+Imports, data preparation (tokenizing, packing), model loading and saving are separate phases.
+Tokens are counted the same way for both: the real (non-pad) input tokens of every micro-batch
+the model trains on.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
     probe = common.StageProbe(sft, "load_causal_lm", real_tokens)
     config = sft.SFTConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
-        max_steps=spec["steps"], per_device_batch_size=spec["batch_size"],
+        bf16=spec["bf16"], max_steps=spec["steps"], per_device_batch_size=spec["batch_size"],
         gradient_accumulation_steps=spec["grad_accum"], learning_rate=spec["learning_rate"],
         lr_scheduler="linear", warmup_ratio=0.0, max_length=spec["max_length"], packing=spec["packing"],
         completion_only_loss=True, seed=spec["seed"], num_sample_completions=0, disable_progress_bar=True,
@@ -77,7 +80,7 @@ def child_trl(spec: dict, started: float) -> dict:
         output_dir=spec["out_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=spec["grad_accum"], learning_rate=spec["learning_rate"],
         lr_scheduler_type="linear", warmup_steps=0, max_length=spec["max_length"], packing=spec["packing"],
-        packing_strategy="bfd", completion_only_loss=True, bf16=False, fp16=False, use_cpu=True,
+        packing_strategy="bfd", completion_only_loss=True, bf16=spec["bf16"], fp16=False, use_cpu=True,
         gradient_checkpointing=False, seed=spec["seed"], logging_steps=10**9, save_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_num_workers=0)
     init_start = common.clock()
@@ -112,7 +115,8 @@ def prepare_data(source: Path, out: Path, num_examples: int) -> Path:
     return path
 
 
-COLUMNS = [("tokens_per_s", "tok/s"), ("s_per_step", "s/step"), ("peak_rss_mb", "peak RSS MB"),
+COLUMNS = [("tokens_per_s", "tok/s"), ("s_per_step", "s/step"), ("step_median_s", "median step s"),
+           ("peak_rss_mb", "peak RSS MB"),
            ("import_s", "import s"), ("data_s", "data s"), ("load_s", "load s"), ("train_s", "train s"),
            ("save_s", "save s"), ("tokens_per_step", "tok/step"), ("loss", "loss")]
 SANITY = ("tokens_per_step", "loss")  # checks that both did the same work, not ratios
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="Peak learning rate (linear decay, no warmup).")
     parser.add_argument("--packing", default="no,bfd", help="Comma-separated: no, bfd.")
     parser.add_argument("--num-examples", type=int, default=1000, help="GSM8K training rows used (the first N).")
+    parser.add_argument("--bf16", action="store_true",
+                        help="Mixed precision in both trainers: `bf16=True` (bfloat16 autocast, float32 weights).")
     args = parser.parse_args(argv)
     if args.child:
         return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl})
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                     spec = dict(trainer=trainer, model_path=str(path), data_path=str(data), steps=steps,
                                 batch_size=args.batch_size, grad_accum=args.grad_accum,
                                 learning_rate=args.learning_rate, max_length=args.max_length, packing=packing,
-                                threads=args.threads, warmup_steps=args.warmup_steps, seed=args.seed)
+                                threads=args.threads, warmup_steps=args.warmup_steps, seed=args.seed,
+                                bf16=args.bf16)
                     label = f"{model} packing={'bfd' if packing else 'no'} {trainer} #{repeat + 1}"
                     plan.append((label, {"model": model, "packing": packing, "trainer": trainer, "repeat": repeat,
                                          "steps": steps}, spec))
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     medians = common.median_rows(runs, ["model", "packing", "trainer"])
     settings = (f"batch {args.batch_size} x accumulation {args.grad_accum}, max_length {args.max_length}, "
-                f"lr {args.learning_rate} linear, float32, {args.threads} threads, "
+                f"lr {args.learning_rate} linear, {common.precision(args.bf16)}, {args.threads} threads, "
                 f"{args.num_examples} GSM8K rows, steps " + ", ".join(
                     f"{m}={args.steps or DEFAULT_STEPS[m]}" for m in models)
                 + f" (first {args.warmup_steps} untimed), medians of {args.repeats}")

@@ -163,3 +163,36 @@ def render_chart(values: dict) -> list[dict]:
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
+
+
+# -- several ranks ------------------------------------------------------------------------------
+
+DEMO_DATA = ROOT / "trainer" / "demo_data"
+
+
+def train_cli(stage: str, *args: str, timeout: float = 900, env: dict | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m trainer.cli train STAGE ARGS` from the repository root (`--num_processes` in ARGS
+    makes it start the ranks through `accelerate launch`); fails with the output's tail unless it exits 0."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run([sys.executable, "-m", "trainer.cli", "train", stage, *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert done.returncode == 0, f"train {stage} failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
+                                     f"{done.stderr[-6000:]}"
+    return done
+
+
+def weights(folder: Path | str) -> dict[str, torch.Tensor]:
+    """The trained tensors of a checkpoint: the LoRA adapter when there is one, else the model."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    adapter = folder / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else folder / "model.safetensors")
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b), f"different tensors: {sorted(set(a) ^ set(b))[:5]}"
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

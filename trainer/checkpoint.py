@@ -130,6 +130,7 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
 
     `state`, `optimizer` and `scheduler` make it resumable; leave them out for a final model.
     """
+    check_finite(model)
     remote = storage.is_remote(dest)
     marker = storage.join(dest, COMPLETE_MARKER)
     # The old marker goes first: from here until the new one is written the folder is incomplete.
@@ -156,6 +157,17 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         if remote:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+class NonFiniteWeightsError(ValueError):
+    """A model holds NaN or infinite weights; no checkpoint of it is ever marked complete."""
+
+
+def check_finite(model) -> None:
+    bad = [name for name, p in model.named_parameters() if p.numel() and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise NonFiniteWeightsError(f"{len(bad)} parameter tensor(s) hold NaN or infinite values (first: {bad[0]}); "
+                                    "the checkpoint is not saved. Lower `learning_rate` or check the data.")
 
 
 def _save_merged(peft_model, tokenizer, dest: Path) -> None:

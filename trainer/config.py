@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -73,6 +74,8 @@ class TrainConfig:
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.999, "AdamW beta2.")
     max_grad_norm: float = option(1.0, "Clip the global gradient norm to this value (0 = no clipping).")
+    max_nonfinite_steps: int = option(3, "Optimizer steps whose gradient norm is NaN or infinite (a non-finite loss "
+                                         "or gradient) are skipped; this many in a row stop the run with an error.")
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"] = option(
         "linear", "Learning-rate schedule after warmup (transformers' `get_scheduler` names).")
     warmup_ratio: float = option(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
@@ -141,7 +144,12 @@ class TrainConfig:
             raise ConfigError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
         if self.eval_dataset and self.eval_split_ratio:
             raise ConfigError("Set either `eval_dataset` or `eval_split_ratio`, not both.")
-        for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r"):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ConfigError(f"`{f.name}` is {value}; it must be a finite number.")
+        for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
         if self.bf16 and self.fp16:

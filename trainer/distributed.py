@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,14 +190,19 @@ def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm: float
     """`trainer.loop.clip_and_step` through accelerate; returns the gradient norm before clipping.
 
     Under DeepSpeed the engine has already clipped (its `gradient_clipping`) and stepped in the
-    last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the engine's.
+    last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the
+    engine's (a non-finite step cannot be skipped there; the runner stops the run instead).
     """
     params = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    optimizer.step()
-    scheduler.step()
+    norm = float(norm) if norm is not None else float("nan")
+    # A non-finite norm (NaN / inf loss or gradients) skips the update: the weights stay finite.
+    # Every rank sees the same norm (gradients are reduced first), so all skip together.
+    if math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm) if norm is not None else float("nan")
+    return norm
 
 
 @contextlib.contextmanager

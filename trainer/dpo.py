@@ -225,13 +225,14 @@ def sequence_logps(model, batch: DPOBatch, with_logits: bool = True) -> Sequence
 class Reference:
     """Where reference log-probs come from: a cache filled before training, or a frozen model.
 
-    `model` is a frozen model, or the PEFT policy itself when `adapter_disabled` (its base
-    model). `cache` maps a split ("train", "eval") to [num_pairs, 2] (chosen, rejected) sums.
+    `model` is a frozen model, or the policy itself (as prepared: forwards go through the DDP /
+    DeepSpeed wrapper) with the adapters of `adapters` (the PEFT model) disabled, i.e. its base
+    model. `cache` maps a split ("train", "eval") to [num_pairs, 2] (chosen, rejected) sums.
     Reference-free loss types use an empty Reference and never call it.
     """
 
     model: Any = None
-    adapter_disabled: bool = False
+    adapters: Any = None
     cache: dict[str, torch.Tensor] = field(default_factory=dict)
     sharded: bool = False  # parameters sharded by DeepSpeed ZeRO-3
 
@@ -239,7 +240,7 @@ class Reference:
         """Reference log-probs of a batch's 2B sequences, [2B], without autograd."""
         was_training = self.model.training
         self.model.eval()
-        adapters_off = self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
+        adapters_off = self.adapters.disable_adapter() if self.adapters is not None else contextlib.nullcontext()
         # inference_mode is faster, but ZeRO-3 would gather parameters into inference tensors.
         with (torch.no_grad() if self.sharded else torch.inference_mode()), adapters_off:
             logps = sequence_logps(self.model, batch, with_logits=False).logps
@@ -274,7 +275,7 @@ def freeze(model):
     return model
 
 
-def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int) -> bool:
+def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int, device="cpu") -> bool:
     """Whether `model` scores packed sequences as it scores padded ones, i.e. its attention builds
     the block-diagonal mask from restarting position ids (transformers' models do; some
     remote-code models do not, and would let packed sequences attend to each other). Checked on
@@ -282,9 +283,9 @@ def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int) -> 
     indices = sorted(range(len(data)), key=data.pair_length)[:4]
     was_training = model.training
     model.eval()
-    with torch.inference_mode():
-        padded = sequence_logps(model, collate(data, indices, pad_id), with_logits=False)
-        packed = sequence_logps(model, collate(data, indices, pad_id, pack_to), with_logits=False)
+    with torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+        padded = sequence_logps(model, to_device(collate(data, indices, pad_id), device), with_logits=False)
+        packed = sequence_logps(model, to_device(collate(data, indices, pad_id, pack_to), device), with_logits=False)
     model.train(was_training)
     per_token = float(((padded.logps - packed.logps).abs() / padded.lengths.clamp(min=1)).max())
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
@@ -296,7 +297,7 @@ def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int) -> 
 
 
 def reference_model(config: DPOConfig, model_path: str, policy, fresh_start: bool) -> tuple[Any, bool]:
-    """(model, adapter_disabled) to score the reference with; see the module docstring for the order."""
+    """(model, adapters_off) to score the reference with; see the module docstring for the order."""
     load = dict(dtype=config.dtype, trust_remote_code=config.trust_remote_code)
     if config.ref_model:
         ref = freeze(load_causal_lm(resolve_model_path(config.ref_model), **load))
@@ -404,13 +405,12 @@ def prepare_reference(run: StageRunner, model_path: str, train_data: TokenizedPa
         reference.cache = {k: torch.tensor(v) for k, v in saved.items() if k in splits and len(v) == len(splits[k])}
     if config.loss_type in REFERENCE_FREE or set(reference.cache) == set(splits):
         return reference
-    model, reference.adapter_disabled = reference_model(config, model_path, run.module, not run.resume)
-    if model is run.module:
-        # The policy itself (LoRA adapters off, or before its first step): through the prepared
-        # wrapper when whole, through the PEFT model (for `disable_adapter`) with LoRA.
-        reference.model = run.module if reference.adapter_disabled else run.model
+    model, adapters_off = reference_model(config, model_path, run.module, not run.resume)
+    if model is run.module:  # the policy itself (LoRA adapters off, or before its first step)
+        reference.model, reference.adapters = run.model, run.module if adapters_off else None
     else:
-        if pack_to and not packing_is_exact(model, train_data, pad_id, pack_to):
+        # (Under ZeRO-3 the reference loads sharded; it is the policy's architecture in practice.)
+        if pack_to and run.runtime["zero_stage"] != 3 and not packing_is_exact(model, train_data, pad_id, pack_to):
             raise ConfigError(f"The reference model {config.ref_model!r} mixes packed sequences (its attention does "
                               "not follow restarting position ids); set `padding_free false`.")
         reference.model = distributed.prepare_reference(run.accelerator, TargetLM(model))
@@ -455,15 +455,15 @@ def run_dpo(config: DPOConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    pad_id = tokenizer.pad_token_id
-    pack_to = config.max_length if config.padding_free else 0
-    if pack_to and not packing_is_exact(model, train_data, pad_id, pack_to):
-        pack_to = 0
     run.tokenizer = tokenizer
     with run.failing():
         run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
                                                     {"pairs": len(eval_data)} if eval_data is not None else None),
                     wrap=TargetLM)
+        pad_id = tokenizer.pad_token_id
+        pack_to = config.max_length if config.padding_free else 0
+        if pack_to and not packing_is_exact(run.model, train_data, pad_id, pack_to, run.device):
+            pack_to = 0
         reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)
 
         # 3. The loop.

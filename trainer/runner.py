@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,11 +37,15 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import distributed
+from trainer import distributed, storage
 from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed, step_batches
 from trainer.storage import fetch_to_local, is_remote
 
 log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss diverged); the message says what to change."""
 
 
 @dataclass
@@ -73,6 +78,8 @@ class StageRunner:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.is_main, self.device = self.accelerator.is_main_process, self.accelerator.device
         self.runtime = distributed.describe(self.accelerator)
+        if self.is_main:
+            storage.check_writable(config.output_dir)  # before any data or model is loaded
         set_seed(config.seed)
         self.started = time.perf_counter()
         self.state = ckpt.TrainState()
@@ -81,6 +88,7 @@ class StageRunner:
         self.window = MetricWindow()
         self.resume: str | None = None
         self._saved_at = time.monotonic()
+        self._nonfinite = 0
         log.info("%s: %s, %d process%s (%s), mixed precision %s%s.", stage, self.runtime["device"], self.world,
                  "es" if self.world > 1 else "", self.runtime["distributed_type"], self.runtime["mixed_precision"],
                  f", DeepSpeed ZeRO-{self.runtime['zero_stage']}" if self.runtime["zero_stage"] is not None else "")
@@ -189,9 +197,25 @@ class StageRunner:
         distributed.backward(self.accelerator, loss)
 
     def optimizer_step(self) -> float:
-        """Clip, step optimizer and schedule, zero the gradients; returns the gradient norm before clipping."""
-        return distributed.clip_and_step(self.accelerator, self.model, self.optimizer, self.scheduler,
+        """Clip, step optimizer and schedule, zero the gradients; returns the gradient norm before clipping.
+
+        A step whose norm is not finite is skipped; `max_nonfinite_steps` of them in a row stop the run."""
+        norm = distributed.clip_and_step(self.accelerator, self.model, self.optimizer, self.scheduler,
                                          self.config.max_grad_norm)
+        self._nonfinite = 0 if math.isfinite(norm) else self._nonfinite + 1
+        if self._nonfinite:
+            log.warning("Step %d: the gradient norm is %s (a NaN or infinite loss or gradient); the update is "
+                        "skipped (%d of at most %d in a row).", self.state.global_step + 1, norm, self._nonfinite,
+                        self.config.max_nonfinite_steps)
+        if self._nonfinite and (self._nonfinite >= self.config.max_nonfinite_steps
+                                or self.runtime["zero_stage"] is not None):
+            raise TrainingError(
+                f"{self.stage}: the gradient norm was not finite for {self._nonfinite} step(s) in a row, up to step "
+                f"{self.state.global_step + 1}: the loss or gradients overflow or are NaN. Lower `learning_rate`, set "
+                f"`max_grad_norm`, check the data, or use bf16 instead of fp16."
+                + (" (Under DeepSpeed the engine has already applied the step.)"
+                   if self.runtime["zero_stage"] is not None else ""))
+        return norm
 
     @property
     def learning_rate(self) -> float:

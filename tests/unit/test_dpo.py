@@ -112,7 +112,7 @@ def test_lora_reference_is_the_base_model_and_lora_trains(tiny_model, tmp_path, 
                 param.normal_(0, 0.5)  # a trained adapter: the policy now differs from its base
         base = sequence_logps(load_causal_lm(tiny_model), batch).logps
         adapted = sequence_logps(policy, batch).logps
-    ref = Reference(policy, adapter_disabled=True).compute(batch)
+    ref = Reference(policy, adapters=policy).compute(batch)
     assert not torch.allclose(adapted, base, atol=1e-3)
     torch.testing.assert_close(ref, base, atol=1e-5, rtol=1e-5)
 
