@@ -316,9 +316,25 @@ def checkpoint_optimizer(accelerator, optimizer):
 
 def save_engine_state(accelerator, model, checkpoint_dir: str) -> None:
     """DeepSpeed: every rank writes its ZeRO shard of model and optimizer state into the step
-    checkpoint (a local folder). Call on all ranks before rank 0 completes the checkpoint."""
-    if accelerator.state.deepspeed_plugin is not None:
+    checkpoint; to an object store through a local folder of its own, which it uploads. Call on
+    all ranks before rank 0 completes the checkpoint (the marker comes last)."""
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    from trainer import storage
+
+    if not storage.is_remote(checkpoint_dir):
         model.save_checkpoint(str(Path(checkpoint_dir) / DEEPSPEED_STATE_DIR), tag="state", save_latest=False)
+        return
+    import shutil
+    import tempfile
+
+    local = Path(tempfile.mkdtemp(prefix=f"alignflow-zero-rank{accelerator.process_index}-"))
+    try:
+        model.save_checkpoint(str(local), tag="state", save_latest=False)
+        # The ranks write different files (rank 0 also the model states), so uploads never collide.
+        storage.upload_dir(local, storage.join(checkpoint_dir, DEEPSPEED_STATE_DIR))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def load_engine_state(accelerator, model, checkpoint_dir: str) -> None:

@@ -467,21 +467,13 @@ def run_dpo(config: DPOConfig) -> str:
         reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)
 
         # 3. The loop.
-        pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps * run.world
+        evaluate_now = (lambda: evaluate(run, eval_data, reference, pad_id, pack_to)) if eval_data else None
         loop_started = time.perf_counter()
         while run.state.global_step < steps:
-            metrics = train_step(run, train_data, reference, pad_id, pack_to)
-            step = run.state.global_step
-            metrics["epoch"] = step * pairs_per_step / len(train_data)
-            run.log_step(step, metrics, evaluate=(lambda: evaluate(run, eval_data, reference, pad_id, pack_to))
-                         if eval_data else None)
-            run.maybe_save(step)
+            run.end_step(train_step(run, train_data, reference, pad_id, pack_to), len(train_data), evaluate_now)
         loop_runtime = time.perf_counter() - loop_started
 
         # 4. Final evaluation and the model.
-        if eval_data:
-            final_eval = evaluate(run, eval_data, reference, pad_id, pack_to)
-            run.tracker.log_metrics(final_eval, run.state.global_step)
-            run.last_metrics.update(final_eval)
+        run.final_evaluation(evaluate_now)
         run.last_metrics.update(data_runtime=data_runtime, loop_runtime=loop_runtime)
         return run.finish()

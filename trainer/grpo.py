@@ -433,10 +433,8 @@ def run_grpo(config: GRPOConfig) -> str:
                 run.maybe_save(step, span=config.num_iterations)
 
             # 4. Final evaluation and the model.
-            if eval_data:
-                final_eval = evaluate(run, engine, eval_data, rewards, tokenizer, sampling)
-                run.tracker.log_metrics(final_eval, run.state.global_step)
-                run.last_metrics.update(final_eval)
+            run.final_evaluation((lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling))
+                                 if eval_data else None)
             with run.gathered():
                 run.report.write(model)
             return run.finish()

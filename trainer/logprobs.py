@@ -93,6 +93,10 @@ class TargetLM(torch.nn.Module):
         self.lm = lm
         self.config = lm.config  # accelerate sizes DeepSpeed's "auto" buckets from it
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.dtype
+
     def forward(self, input_ids: torch.Tensor, target_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, sources: torch.Tensor | None = None,
                 model_kwargs: dict | None = None) -> TargetLogits:

@@ -239,17 +239,10 @@ def run_reward(config: RewardConfig) -> str:
 
         # 3. The loop.
         pad_id = tokenizer.pad_token_id
-        pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps * run.world
+        evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
         while run.state.global_step < steps:
-            metrics = train_step(run, train_data, pad_id)
-            step = run.state.global_step
-            metrics["epoch"] = step * pairs_per_step / len(train_data)
-            run.log_step(step, metrics, evaluate=(lambda: evaluate(run, eval_data, pad_id)) if eval_data else None)
-            run.maybe_save(step)
+            run.end_step(train_step(run, train_data, pad_id), len(train_data), evaluate_now)
 
         # 4. Final evaluation and the model.
-        if eval_data:
-            final_eval = evaluate(run, eval_data, pad_id)
-            run.tracker.log_metrics(final_eval, run.state.global_step)
-            run.last_metrics.update(final_eval)
+        run.final_evaluation(evaluate_now)
         return run.finish()

@@ -68,8 +68,9 @@ class StageRunner:
 
     Lifecycle: `StageRunner(stage, config)` -> `resume_checkpoint()` -> the stage loads its model
     -> `prepare(model, ...)` -> the loop (`rank_batches`, `micro_batch`, `backward`,
-    `optimizer_step`, `log_step`, `maybe_save`) -> `finish()`; `fail()` on an exception
-    (`with runner.failing():` does it).
+    `optimizer_step`, then `end_step`, or `log_step` and `maybe_save`) -> `final_evaluation` ->
+    `finish()`, all inside `with runner.failing():`, which marks the MLflow run FAILED on an exception.
+    The stage sets `tokenizer` (saved with every checkpoint).
     """
 
     def __init__(self, stage: str, config: Any) -> None:
@@ -87,6 +88,7 @@ class StageRunner:
         self.datasets: dict[str, dict] = {}
         self.window = MetricWindow()
         self.resume: str | None = None
+        self.tokenizer: Any = None
         self._saved_at = time.monotonic()
         self._nonfinite = 0
         log.info("%s: %s, %d process%s (%s), mixed precision %s%s.", stage, self.runtime["device"], self.world,
@@ -123,7 +125,6 @@ class StageRunner:
             distributed.restore_rank_rng(self.accelerator, self.state.extra.get("rank_rng"))
         self.progress = Progress(total_steps, self.state.global_step, self.stage,
                                  config.disable_progress_bar or not self.is_main)
-        self._check_remote_shards()
         self.tracker  # noqa: B018 (opens the MLflow run now that setup can no longer fail)
         return self.model
 
@@ -140,15 +141,6 @@ class StageRunner:
     @property
     def _checkpoint_optimizer(self):
         return distributed.checkpoint_optimizer(self.accelerator, self.optimizer)
-
-    def _check_remote_shards(self) -> None:
-        from trainer.config import ConfigError
-
-        saves = self.config.save_steps or self.config.save_minutes
-        if self.runtime["zero_stage"] is not None and saves and is_remote(self.config.output_dir):
-            raise ConfigError("Under DeepSpeed every rank writes its optimizer shard into each step checkpoint, which "
-                              "needs a local (shared) `output_dir`; use a local path, or `save_steps 0` and "
-                              "`save_minutes 0`.")
 
     # --- data ----------------------------------------------------------------------------------
 
@@ -243,6 +235,21 @@ class StageRunner:
         self.progress.update(step, logged)
         return logged
 
+    def end_step(self, metrics: dict[str, float], num_examples: int, evaluate=None) -> None:
+        """After an optimizer step over batches of examples (SFT, reward model, DPO): the epoch
+        reached, logging (and evaluation), saving."""
+        step, config = self.state.global_step, self.config
+        per_step = config.per_device_batch_size * config.gradient_accumulation_steps * self.world
+        self.log_step(step, {**metrics, "epoch": step * per_step / num_examples}, evaluate)
+        self.maybe_save(step)
+
+    def final_evaluation(self, evaluate) -> None:
+        """Evaluate once more after the last step (when there is held-out data); logged and kept for the manifest."""
+        if evaluate is not None:
+            metrics = evaluate()
+            self.tracker.log_metrics(metrics, self.state.global_step)
+            self.last_metrics.update(metrics)
+
     def maybe_save(self, step: int, span: int = 1) -> None:
         """A resumable step checkpoint every `save_steps` steps or `save_minutes` minutes (never at the last step)."""
         config = self.config
@@ -305,8 +312,6 @@ class StageRunner:
             if "tracker" in self.__dict__:
                 self.tracker.finish("FAILED")
             raise
-
-    tokenizer: Any = None  # set by the stage; saved with every checkpoint
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

@@ -230,19 +230,12 @@ def run_sft(config: SFTConfig) -> str:
 
         # 3. The loop.
         pad_id = tokenizer.pad_token_id
-        units_per_step = config.per_device_batch_size * config.gradient_accumulation_steps * run.world
+        evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
         while run.state.global_step < steps:
-            metrics = train_step(run, units, train_data, pad_id)
-            step = run.state.global_step
-            metrics["epoch"] = step * units_per_step / len(units)
-            run.log_step(step, metrics, evaluate=(lambda: evaluate(run, eval_data, pad_id)) if eval_data else None)
-            run.maybe_save(step)
+            run.end_step(train_step(run, units, train_data, pad_id), len(units), evaluate_now)
 
         # 4. Final evaluation, samples and the model.
-        if eval_data:
-            final_eval = evaluate(run, eval_data, pad_id)
-            run.tracker.log_metrics(final_eval, run.state.global_step)
-            run.last_metrics.update(final_eval)
+        run.final_evaluation(evaluate_now)
         if config.num_sample_completions:
             prompts = _prompt_texts(eval_rows if eval_rows is not None else rows, tokenizer,
                                     config.num_sample_completions)

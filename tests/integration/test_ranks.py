@@ -136,3 +136,24 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     assert {stage for stage, _ in rows} == {"sft", "reward", "dpo", "grpo"}
     assert all(r["exit_code"] == 0 and r["steps"] == 2 and r["device"] == "cpu" for r in rows.values())
     assert {r["world_size"] for r in rows.values()} == {1, 2}
+
+
+def test_deepspeed_shards_go_to_s3_and_resume_from_there(tiny_model, s3_env, tmp_path):
+    """ZeRO-2 on two ranks with `output_dir` in SeaweedFS: each rank uploads its optimizer shard into
+    the step checkpoint before rank 0 marks it complete, and a run resumed from that s3:// checkpoint
+    ends with the weights of the uninterrupted run."""
+    from trainer import storage
+
+    bucket = f"s3://{s3_env.bucket}/ranks-{tmp_path.name}"
+    args = ("--model", tiny_model, *COMMON[:-2], "--save_steps", "3", "--dataset", str(DEMO_DATA / "sft.jsonl"),
+            "--num_sample_completions", "0", "--per_device_batch_size", "2", "--num_processes", "2",
+            "--deepspeed", "zero2")
+    env = s3_env.env()
+    train_cli("sft", *args, "--output_dir", f"{bucket}/straight", env=env)
+    shards = [p for p in storage.filesystem(bucket).find(f"{bucket}/straight/checkpoint-3/deepspeed")]
+    assert sum("optim_states" in p for p in shards) == 2, shards  # one optimizer shard per rank
+    assert ckpt.is_complete(f"{bucket}/straight/checkpoint-3")
+    train_cli("sft", *args, "--output_dir", f"{bucket}/resumed", "--resume_from_checkpoint",
+              f"{bucket}/straight/checkpoint-3", env=env)
+    local = {name: storage.fetch_to_local(f"{bucket}/{name}", tmp_path / name) for name in ("straight", "resumed")}
+    assert max_difference(weights(local["resumed"]), weights(local["straight"])) < 1e-6
