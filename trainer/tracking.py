@@ -513,6 +513,23 @@ class Tracker:
             d = redact_secrets(copy.deepcopy(d))
             self._submit(f"logging {artifact_file}", lambda: self._client.log_dict(self.run_id, d, artifact_file))
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Add params to the run (ones it already has keep their values, as on resume); values become
+        strings, with credentials in URIs redacted. Queued like any call while MLflow is down."""
+        if self._client is None or not params:
+            return
+        flat = {mlflow_key(k): redact_uri(str(v))[:_MAX_PARAM_VALUE] for k, v in params.items()}
+
+        def send() -> None:
+            from mlflow.entities import Param
+
+            have = self._client.get_run(self.run_id).data.params
+            fresh = [Param(k, v) for k, v in sorted(flat.items()) if k not in have]
+            for chunk in _chunks(fresh, _PARAMS_PER_BATCH):
+                self._client.log_batch(self.run_id, params=chunk)
+
+        self._submit("logging params", send)
+
     def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
         if self._client is not None:
             self._submit(f"uploading {local_dir}",

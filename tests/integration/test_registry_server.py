@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import write_jsonl
 from trainer import checkpoint as ckpt
 from trainer.registry import CHAMPION, PREVIOUS_CHAMPION, champion_uri, download_champion, promote, rollback
 
@@ -99,8 +100,7 @@ def test_champion_as_evaluate_baseline(mlflow_server, tiny_model, tmp_path):
     judge = tmp_path / "judge"
     load_reward_model(tiny_model, tokenizer.pad_token_id).save_pretrained(judge)
     tokenizer.save_pretrained(judge)
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hello", "Name a colour.")))
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in ("Hello", "Name a colour.")])
 
     metrics = run_evaluate(EvalConfig(model=tiny_model, dataset=str(data), reward_model=str(judge),
                                       baseline_model=champion_uri(name, mlflow_server), max_completion_length=4,

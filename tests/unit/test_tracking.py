@@ -300,6 +300,24 @@ def test_refused_call_is_dropped_and_backfilled(sqlite_uri, client, caplog):
     assert _steps(client, tracker.run_id, "kl") == [(0, 0.0), (1, 0.1), (2, 0.2)]
 
 
+def test_log_params_and_datasets_survive_an_outage(sqlite_uri, client):
+    tracker = Tracker(_config(sqlite_uri, mlflow_experiment="unit"), stage="sft")
+    tracker.retry_min_s = tracker.retry_max_s = 0.0
+    outage = Outage(tracker, methods=("log_batch", "get_run", "log_inputs"))
+    outage.down = True
+    tracker.log_params({"runtime/world_size": 2, "learning_rate": 1.0, "runtime/store": "http://u:pw@h/x"})
+    datasets = {"train": {"path": "/data/a.jsonl", "fingerprint": "fa", "rows": 2}}
+    tracker.log_datasets(datasets)
+    assert tracker.pending == 2
+    outage.down = False
+    tracker.log_datasets(datasets)  # a resumed stage logs them again: still one input
+    tracker.finish()
+    run = client.get_run(tracker.run_id)
+    assert run.data.params["runtime/world_size"] == "2" and run.data.params["runtime/store"] == "http://u:***@h/x"
+    assert run.data.params["learning_rate"] == "2e-05"  # the config's value stays
+    assert [d.dataset.digest for d in run.inputs.dataset_inputs] == ["fa"]
+
+
 def test_resume_same_run(sqlite_uri, client):
     first = Tracker(_config(sqlite_uri, mlflow_experiment="unit"), stage="sft")
     first.log_metrics({"loss": 2.0}, step=1)
