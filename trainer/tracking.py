@@ -254,8 +254,12 @@ def dataset_inputs(datasets: dict[str, dict]) -> list:
         digest = str(info.get("fingerprint") or "")
         if not digest:  # a dataset without a fingerprint is identified by what we know of it
             digest = hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()
-        source_type = "s3" if path.startswith("s3://") else "http" if path.startswith(("http://", "https://")) \
-            else "local" if path.startswith(("/", ".", "file:")) or Path(path).exists() else "hub"
+        if path == "demo" or path.startswith("demo:"):
+            source_type = "builtin"  # alignflow's packaged demo data
+        elif path.startswith(("s3://", "http://", "https://")):
+            source_type = path.split(":", 1)[0].removesuffix("s")
+        else:
+            source_type = "local" if path.startswith(("/", ".", "file:")) or Path(path).exists() else "hub"
         profile = {k: v for k, v in info.items() if k not in ("path", "fingerprint")}
         dataset = Dataset(name=path.rstrip("/").rsplit("/", 1)[-1][:500] or split, digest=digest[:_MAX_DIGEST],
                           source_type=source_type, source=json.dumps({"uri": path}),

@@ -192,6 +192,7 @@ def test_credentials_in_the_uri_work_and_stay_secret(basic_auth_mlflow, mlflow_s
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2]
     assert run.data.params["mlflow_tracking_uri"] == proxy.uri_with_credentials.replace(password, "***")
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["demo"]  # the runner's log_datasets
     manifest = (out / "alignflow.json").read_text()
     assert proxy.uri_with_credentials.replace(password, "***") in manifest
     logged = client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts"))

@@ -172,12 +172,14 @@ def test_dataset_inputs():
     inputs = dataset_inputs({
         "train": {"path": "s3://b/data/gsm8k.jsonl", "fingerprint": "a1b2c3", "rows": 100, "tokens": 5000},
         "eval": {"path": "split", "fingerprint": "", "rows": 10},
+        "prompts": {"path": "demo:math", "fingerprint": "f0", "rows": 5},
     })
-    train, held_out = (i.dataset for i in inputs)
+    train, held_out, prompts = (i.dataset for i in inputs)
+    assert (prompts.name, prompts.source_type) == ("demo:math", "builtin")
     assert (train.name, train.digest, train.source_type) == ("gsm8k.jsonl", "a1b2c3", "s3")
     assert json.loads(train.source) == {"uri": "s3://b/data/gsm8k.jsonl"}
     assert json.loads(train.profile) == {"rows": 100, "tokens": 5000}
-    assert [t.value for i in inputs for t in i.tags] == ["train", "eval"]
+    assert [t.value for i in inputs for t in i.tags] == ["train", "eval", "prompts"]
     assert len(held_out.digest) == 36  # no fingerprint: a digest of what is known
 
 
