@@ -158,16 +158,19 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
 
 def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: str, min_improvement: float,
                   parent_run_id: str, pipeline_run: str, report_out) -> str:
-    """Register the evaluated model and move `@champion` (the pipeline calls this only when the gate passed)."""
+    """Register the evaluated model as an MLflow model and move `@champion` (the pipeline calls this only when
+    the gate passed). The promote run is a child of the pipeline's MLflow run (`parent_run_id`, else the
+    run tagged with `pipeline_run`)."""
     from trainer import registry
 
     _setup()
     metrics = json.loads(Path(results, "metrics.json").read_text())
     tags = {"alignflow.pipeline_run": pipeline_run}
+    parent_run_id = parent_run_id or find_pipeline_run(pipeline_run)
     if parent_run_id:
         tags["alignflow.pipeline_mlflow_run"] = parent_run_id
     result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
-                              min_improvement=min_improvement, tags=tags)
+                              min_improvement=min_improvement, tags=tags, parent_run_id=parent_run_id or None)
     report.write(report_out.path, f"<html><body><h2>promote {model_name}</h2><p>version {result.version}: "
                                   f"{result.reason}</p><p>champion {result.champion_before} → "
                                   f"{result.champion_after}</p></body></html>")
@@ -189,32 +192,87 @@ class PipelineRunConfig:
         return os.environ.get("MLFLOW_TRACKING_URI") or None
 
 
+def _client():
+    """An MlflowClient for MLFLOW_TRACKING_URI, or None (with a warning) when it is unset or unreachable."""
+    from trainer.tracking import cap_mlflow_http_retries, unreachable_reason, use_uri_credentials
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    uri = use_uri_credentials(uri)
+    cap_mlflow_http_retries()
+    if uri.startswith(("http://", "https://")) and (why := unreachable_reason(uri)) is not None:
+        log.warning("MLflow at %s is unreachable (%s); the pipeline's MLflow run is not updated.", uri, why)
+        return None
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def find_pipeline_run(pipeline_run: str) -> str:
+    """The MLflow parent run of a pipeline run, found by its ``alignflow.pipeline_run`` tag; '' when
+    there is none (or no reachable MLflow). Any task can call it instead of taking the id as an input."""
+    client = _client()
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment) if client else None
+    if experiment is None or not pipeline_run:
+        return ""
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'",
+                              order_by=["attributes.start_time ASC"], max_results=1)
+    return runs[0].info.run_id if runs else ""
+
+
 def start_pipeline_run(pipeline_name: str, pipeline_run: str, params: dict[str, Any]) -> str:
-    """Open the MLflow parent run of a pipeline run; '' when tracking is off or unreachable."""
+    """Open the MLflow parent run of a pipeline run, or return the one a retry of this task opened;
+    '' when tracking is off or unreachable."""
     from trainer.tracking import Tracker
 
     _setup()
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         return ""
-
+    if existing := find_pipeline_run(pipeline_run):
+        return existing
     tags = [f"alignflow.pipeline={pipeline_name}", f"{PIPELINE_RUN_TAG}={pipeline_run}"]
-    tracker = Tracker(PipelineRunConfig(mlflow_run_name=pipeline_run, mlflow_tags=tags), "pipeline")
+    # The run stays open until finish_pipeline_run; no system metrics (this task ends at once).
+    tracker = Tracker(PipelineRunConfig(mlflow_run_name=pipeline_run, mlflow_tags=tags), "pipeline",
+                      system_metrics=False)
     tracker.log_dict(params, "pipeline_params.json")
+    tracker.flush(wait_s=Tracker.finish_wait_s)
     return tracker.run_id or ""
 
 
-def finish_pipeline_run(pipeline_run: str) -> None:
-    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run tag)."""
-    _setup()
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        return
-    from mlflow import MlflowClient
+# KFP's final pipeline states (PipelineTaskFinalStatus.state) as MLflow run states.
+_KFP_STATES = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELED": "KILLED", "CANCELLED": "KILLED",
+               "CANCELING": "KILLED"}
 
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment)
+
+def finish_pipeline_run(pipeline_run: str, pipeline_state: str = "") -> None:
+    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run tag).
+
+    Its child runs still RUNNING belong to stage processes that died (killed pod, OOM): they are marked
+    KILLED with a tag saying so. The parent ends as `pipeline_state` says (a KFP final state, e.g. from an
+    exit handler's ``PipelineTaskFinalStatus.state``); without it, FAILED when some stage's last run
+    failed or died, else FINISHED."""
+    _setup()
+    client = _client()
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment) if client else None
     if experiment is None:
         return
     for run in client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'"):
+        parent = run.info.run_id
+        children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'",
+                                      order_by=["attributes.start_time ASC"])
+        last_status: dict[str, str] = {}  # stage -> status of its latest run (a retry may start a new one)
+        for child in children:
+            status = child.info.status
+            if status == "RUNNING":
+                client.set_tag(child.info.run_id, "alignflow.ended_by",
+                               "finish-run: the stage process ended without ending its run (killed or crashed)")
+                client.set_terminated(child.info.run_id, "KILLED")
+                status = "KILLED"
+                log.warning("MLflow run %s (%s) was left RUNNING by a dead stage process; marked KILLED.",
+                            child.info.run_id, child.data.tags.get("alignflow.stage", "?"))
+            last_status[child.data.tags.get("alignflow.stage", child.info.run_id)] = status
         if run.info.status == "RUNNING":
-            client.set_terminated(run.info.run_id, "FINISHED")
+            failed = any(s in ("FAILED", "KILLED") for s in last_status.values())
+            final = _KFP_STATES.get(pipeline_state.upper(), "FAILED" if failed else "FINISHED")
+            client.set_terminated(parent, final)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from trainer import storage
-from trainer.tracking import git_sha
+from trainer.tracking import git_sha, redact_secrets
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def build_manifest(stage: str, config: Any, base_model: str, datasets: dict[str,
         "base_model": base_model,
         "step": step,
         "datasets": datasets,
-        "config": asdict(config),
+        "config": redact_secrets(asdict(config)),  # no password of a tracking URI in a manifest
         "metrics": metrics,
         "versions": package_versions(),
         "git_sha": git_sha(),

@@ -199,6 +199,7 @@ def _pipeline(argv: list[str]) -> int:
 
     from pipelines import run as pipeline_run
     from trainer.config import ConfigError
+    from trainer.tracking import redact_uri
 
     try:
         overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
@@ -207,10 +208,11 @@ def _pipeline(argv: list[str]) -> int:
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
             out = pipeline_run.run_local(config, args.output, args.pipeline_root)
+            tracking = redact_uri(out["tracking_uri"])
             print(f"Pipeline run finished in {out['seconds']:.0f}s.\n"
                   f"  task outputs:  {out['pipeline_root']}\n"
-                  f"  MLflow:        {out['tracking_uri']}\n"
-                  f"  browse it:     mlflow ui --backend-store-uri {out['tracking_uri']}")
+                  f"  MLflow:        {tracking}\n"
+                  f"  browse it:     mlflow ui --backend-store-uri {tracking}")
         elif args.command == "submit":
             pipeline_run.validate(config, promotion=False)
             print(f"Submitted run {pipeline_run.submit(args.host, config, args.experiment)}")

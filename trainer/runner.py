@@ -136,6 +136,7 @@ class StageRunner:
             tracker.history[:] = ckpt.read_history(self.resume)
         self.state.mlflow_run_id = tracker.run_id
         tracker.log_params({f"runtime/{k}": v for k, v in self.runtime.items()})
+        tracker.log_datasets(self.datasets)  # run inputs: path, fingerprint (digest), rows
         return tracker
 
     @property
