@@ -409,8 +409,7 @@ def prepare_reference(run: StageRunner, model_path: str, train_data: TokenizedPa
     if model is run.module:  # the policy itself (LoRA adapters off, or before its first step)
         reference.model, reference.adapters = run.model, run.module if adapters_off else None
     else:
-        # (Under ZeRO-3 the reference loads sharded; it is the policy's architecture in practice.)
-        if pack_to and run.runtime["zero_stage"] != 3 and not packing_is_exact(model, train_data, pad_id, pack_to):
+        if pack_to and not packing_is_exact(model, train_data, pad_id, pack_to):
             raise ConfigError(f"The reference model {config.ref_model!r} mixes packed sequences (its attention does "
                               "not follow restarting position ids); set `padding_free false`.")
         reference.model = distributed.prepare_reference(run.accelerator, TargetLM(model))
@@ -462,6 +461,11 @@ def run_dpo(config: DPOConfig) -> str:
                     wrap=TargetLM)
         pad_id = tokenizer.pad_token_id
         pack_to = config.max_length if config.padding_free else 0
+        if pack_to and run.runtime["zero_stage"] == 3:
+            # DeepSpeed 0.19.8 ZeRO-3 left parameters "in flight" after packed no-grad (evaluation)
+            # forwards, and then failed to gather them for saving; padded batches are exact too.
+            log.info("padding_free is off under DeepSpeed ZeRO-3; training on padded batches.")
+            pack_to = 0
         if pack_to and not packing_is_exact(run.model, train_data, pad_id, pack_to, run.device):
             pack_to = 0
         reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)
