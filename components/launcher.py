@@ -84,8 +84,8 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     model/dataset/output from the artifacts. With `nodes` > 1 in the config the stage runs as a
     TrainJob/PyTorchJob on that many nodes (components/trainjob.py) and this task waits for it."""
     from components import trainjob
-    from trainer.cli import stage_parts
     from trainer.config import config_from_dict
+    from trainer.stages import stage_parts
 
     _setup()
     config_cls, run = stage_parts(stage)

@@ -3,48 +3,21 @@
 CPU/memory/GPU requests and the accelerator type, tolerations and node selectors, a
 memory-backed /dev/shm, S3 and MLflow credentials from Kubernetes Secrets, retries with
 backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
-YAML that the KFP UI runs.
+YAML that the KFP UI runs. The values themselves (Secrets, default resources) live in
+`components/kubernetes.py`, because the multi-node launcher needs them at run time too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from kfp import kubernetes
 
-# Secret name -> {secret key: environment variable}. Values never appear in the compiled YAML.
-S3_SECRET = "alignflow-s3"
-MLFLOW_SECRET = "alignflow-mlflow"
-SECRET_ENV = {
-    S3_SECRET: {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-                "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"},
-    MLFLOW_SECRET: {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-                    "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"},
-}
+from components.kubernetes import LIGHT, MLFLOW_SECRET, S3_SECRET, SECRET_ENV, TRAINING, Resources
 
-
-@dataclass
-class Resources:
-    """What one task asks the cluster for."""
-
-    cpu: str = "2"
-    memory: str = "8Gi"
-    gpus: int = 0
-    accelerator: str = "nvidia.com/gpu"
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, str]] = field(default_factory=list)
-    shm_size: str = "8Gi"
-
-
-LIGHT = Resources(cpu="1", memory="2Gi", shm_size="")
-TRAINING = Resources(cpu="8", memory="32Gi", gpus=1, tolerations=[
-    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+__all__ = ["LIGHT", "MLFLOW_SECRET", "S3_SECRET", "SECRET_ENV", "TRAINING", "Resources", "apply"]
 
 
 def apply(task, resources: Resources, retries: int = 2, cache: bool = True):
     """Apply requests, placement, shared memory, secrets, retries and caching to one pipeline task."""
-    # Imported here: this module's settings are also read inside running components
-    # (components/trainjob.py), where KFP's executor cannot import kfp.kubernetes.
-    from kfp import kubernetes
-
     task.set_cpu_request(resources.cpu).set_memory_request(resources.memory)
     task.set_memory_limit(resources.memory)
     if resources.gpus:

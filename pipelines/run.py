@@ -87,8 +87,8 @@ def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = No
 def validate(config: PipelineConfig, promotion: bool = True) -> None:
     """Check every stage option, dataset and service the run will touch, before any task starts."""
     from components.trainjob import split_config
-    from trainer.cli import stage_parts
     from trainer.evaluate import EvalConfig
+    from trainer.stages import stage_parts
 
     if not config.base_model:
         raise ConfigError("`base_model` is required: a model folder, an s3:// prefix (e.g. from "

@@ -32,7 +32,7 @@ FAST = {
 def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.CompletedProcess:
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**FAST, **overrides}))
-    cmd = [sys.executable, "-m", "trainer.cli", "pipeline", "run", "--local", "--config", str(config),
+    cmd = [sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config", str(config),
            "--output", str(tmp_path / name), "--pipeline-root", env["PIPELINE_ROOT"]]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 

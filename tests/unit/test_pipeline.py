@@ -106,3 +106,27 @@ def test_cron_needs_six_fields():
     assert pipeline_run.check_cron("0 0 3 * * *") == "0 0 3 * * *"
     with pytest.raises(ConfigError, match="six fields"):
         pipeline_run.check_cron("0 3 * * *")
+
+
+def test_console_script_lists_every_group_and_dispatches(capsys):
+    from pipelines import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for group in ("train", "model", "eval", "promote", "pipeline"):
+        assert f"    {group}" in out, f"`{group}` missing from alignflow --help:\n{out}"
+    assert cli.main(["train"]) == 2  # handed to trainer.cli: its usage line
+    assert "usage: alignflow train {dpo,grpo,reward,sft}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["pipeline", "--help"])
+    assert exc.value.code == 0 and "submit" in capsys.readouterr().out
+
+
+def test_trainer_cli_has_no_pipeline_group(capsys):
+    from trainer import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["pipeline", "compile"])
+    assert "invalid choice: 'pipeline'" in capsys.readouterr().err

@@ -16,8 +16,8 @@ import pytest
 
 from components import kubejob, trainjob
 from components.images import TRAINER_IMAGE
+from components.kubernetes import SECRET_ENV
 from pipelines import run as pipeline_run
-from pipelines.kubernetes import SECRET_ENV
 from trainer.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
