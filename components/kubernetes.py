@@ -21,6 +21,14 @@ SECRET_ENV = {
 }
 
 
+# The pipeline run's id in every task's environment, without a task input (an input that changes
+# with every run would enter every cache key). On a cluster it is the downward API's view of the
+# `pipeline/runid` label that KFP puts on every pod of a run, one-off or recurring
+# (pipelines/kubernetes.py sets it on each task); `alignflow pipeline run --local` sets it itself.
+RUN_ID_ENV = "ALIGNFLOW_PIPELINE_RUN_ID"
+RUN_ID_FIELD = "metadata.labels['pipeline/runid']"
+
+
 @dataclass
 class Resources:
     """What one task asks the cluster for."""

@@ -72,6 +72,8 @@ class TrainConfig:
 
     # --- checkpoints and logging --------------------------------------------------------------
     save_steps: int = _f(0, "Save a resumable checkpoint every this many steps (0 = only at the end).")
+    save_minutes: float = _f(0.0, "Also save a resumable checkpoint every this many minutes (0 = off); "
+                                  "pipelines default to 30.")
     save_total_limit: int = _f(2, "Keep at most this many step checkpoints in `output_dir` (0 = keep all).")
     logging_steps: int = _f(10, "Log metrics every this many steps.")
     eval_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).")
