@@ -53,6 +53,8 @@ def pipeline(argv: list[str]) -> int:
                                             "service-account token, e.g. /var/run/secrets/kubeflow/pipelines/token). "
                                             "Without it, a token in ALIGNFLOW_KFP_TOKEN is used if set.")
         p.add_argument("--ui-host", help="Base URL of the KFP UI for run links (default: --host).")
+        p.add_argument("--no-cache", action="store_true", help="Run every task again: KFP's cache off for this "
+                                                               "run (schedule: for every run).")
         if name == "submit":
             p.add_argument("--run-name", help="Name of the run in the KFP UI (default: pipeline name and time).")
             p.add_argument("--wait", action="store_true", help="Wait for the run to end; print its UI link and final "
@@ -85,7 +87,8 @@ def pipeline(argv: list[str]) -> int:
             if args.command == "submit":
                 return _submit(target, config, args)
             cluster.check_cron(args.cron)
-            rid = cluster.schedule(target, args.cron, config, args.experiment, args.job_name)
+            rid = cluster.schedule(target, args.cron, config, args.experiment, args.job_name,
+                                   cache=not args.no_cache)
             print(f"Created recurring run {rid} ({args.cron})")
     except ConfigError as err:
         print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
@@ -101,7 +104,7 @@ def _submit(target, config, args: argparse.Namespace) -> int:
     from pipelines import run as pipeline_run
 
     pipeline_run.validate(config, promotion=False)
-    run_id = cluster.submit(target, config, args.experiment, args.run_name)
+    run_id = cluster.submit(target, config, args.experiment, args.run_name, cache=not args.no_cache)
     print(f"Submitted run {run_id}\n  {target.run_link(run_id)}", flush=True)
     if not args.wait:
         return 0

@@ -80,12 +80,15 @@ def _api_call(cluster: Cluster, call):
 
 
 def submit(cluster: Cluster, config: PipelineConfig, experiment: str = "alignflow",
-           run_name: str | None = None) -> str:
-    """Start one run of the pipeline; returns its id."""
+           run_name: str | None = None, cache: bool = True) -> str:
+    """Start one run of the pipeline; returns its id. `cache=False` runs every task again.
+
+    The cache is switched off at compile time: the client's `enable_caching=False` only reaches the
+    tasks of the root DAG, and ours sit inside the exit handler."""
     client = _api_call(cluster, cluster.client)
     run = _api_call(cluster, lambda: client.create_run_from_pipeline_func(
-        build_pipeline(config), arguments=config.arguments(), experiment_name=experiment, run_name=run_name,
-        namespace=cluster.namespace))
+        build_pipeline(config, cache=cache), arguments=config.arguments(), experiment_name=experiment,
+        run_name=run_name, namespace=cluster.namespace))
     return run.run_id
 
 
@@ -107,13 +110,14 @@ def check_cron(cron: str) -> str:
 
 
 def schedule(cluster: Cluster, cron: str, config: PipelineConfig, experiment: str = "alignflow",
-             job_name: str = "alignflow-retraining", package: str | None = None) -> str:
-    """Create a recurring run (scheduled retraining); returns its id."""
+             job_name: str = "alignflow-retraining", package: str | None = None, cache: bool = True) -> str:
+    """Create a recurring run (scheduled retraining); returns its id. With the cache on (the default),
+    each run retrains only the stages whose data changed (the input fingerprints, docs/pipelines.md)."""
     import tempfile
 
     check_cron(cron)
     client = _api_call(cluster, cluster.client)
-    package = package or compile_pipeline(str(Path(tempfile.mkdtemp()) / "post_training.yaml"), config)
+    package = package or compile_pipeline(str(Path(tempfile.mkdtemp()) / "post_training.yaml"), config, cache)
     exp = _api_call(cluster, lambda: client.create_experiment(name=experiment, namespace=cluster.namespace))
     job = _api_call(cluster, lambda: client.create_recurring_run(
         experiment_id=exp.experiment_id, job_name=job_name, cron_expression=cron, pipeline_package_path=package,

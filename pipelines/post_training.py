@@ -27,11 +27,13 @@ from pipelines.kubernetes import LIGHT, TRAINING, Resources, apply
 PIPELINE_NAME = "alignflow-post-training"
 
 
-def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries: int = 2, backoff: str = "60s"):
-    """The post-training pipeline with the given task resources and retry policy (compile-time settings)."""
+def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries: int = 2, backoff: str = "60s",
+                  cache: bool = True):
+    """The post-training pipeline with the given task resources, retry policy and caching (compile-time
+    settings; `cache=False` runs every task every time)."""
 
-    def task(t, resources: Resources, name: str, cache: bool = True):
-        return apply(t, resources, retries, cache=cache, backoff=backoff).set_display_name(name)
+    def task(t, resources: Resources, name: str, cacheable: bool = True):
+        return apply(t, resources, retries, cache=cache and cacheable, backoff=backoff).set_display_name(name)
 
     def evaluate_and_promote_pipeline(name: str):
         @dsl.pipeline(name=name)
@@ -42,11 +44,11 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
             evaluation = task(stages.evaluate(
                 policy=policy, reference=reference, dataset=eval_data, reward_model=judge, config=eval_config,
                 model_name=model_name, gate_metric=gate_metric, min_improvement=min_improvement),
-                train, "evaluate", cache=False)
+                train, "evaluate", cacheable=False)
             with dsl.If(evaluation.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (KFP condition)
                 task(stages.promote(policy=policy, results=evaluation.outputs["results"], model_name=model_name,
                                     gate_metric=gate_metric, min_improvement=min_improvement,
-                                    pipeline_run=pipeline_run), light, "promote", cache=False)
+                                    pipeline_run=pipeline_run), light, "promote", cacheable=False)
 
         return evaluate_and_promote
 
@@ -110,7 +112,7 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
             min_improvement: How much the candidate must beat the champion by on `gate_metric` (0 = strictly better).
         """
         run_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
-        finish = task(stages.finish_run(pipeline_run=run_name), light, "finish-run", cache=False)
+        finish = task(stages.finish_run(pipeline_run=run_name), light, "finish-run", cacheable=False)
         with dsl.ExitHandler(finish, name="post-training"):
             # Runs every time (cache off): it looks at the data behind the URIs, and fails fast on a bad value.
             check = task(stages.check_inputs(
@@ -118,12 +120,12 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
                 grpo_config=grpo_config, eval_config=eval_config, max_steps=max_steps, learning_rate=learning_rate,
                 num_generations=num_generations, model_name=model_name, base_model_uri=base_model_uri,
                 sft_data_uri=sft_data_uri, preference_data_uri=preference_data_uri, prompts_uri=prompts_uri,
-                eval_prompts_uri=eval_prompts_uri), light, "check-inputs", cache=False)
+                eval_prompts_uri=eval_prompts_uri), light, "check-inputs", cacheable=False)
             fingerprint = check.outputs
             params = {"algorithm": algorithm, "skip_sft": skip_sft, "skip_reward_model": skip_reward_model,
                       "model_name": model_name, "gate_metric": gate_metric}
             start = task(stages.start_run(pipeline_name=PIPELINE_NAME, pipeline_run=run_name, params=params),
-                         light, "start-run", cache=False).after(check)
+                         light, "start-run", cacheable=False).after(check)
             # reimport=False: one artifact per URI, so its name (part of the cache key) is stable across runs.
             base, sft_data, pref_data, prompts, eval_data = (
                 dsl.importer(artifact_uri=uri, artifact_class=cls, reimport=False).set_display_name(name).after(check)

@@ -144,21 +144,21 @@ def _check_tracking() -> None:
                           "answers /health.")
 
 
-def build_pipeline(config: PipelineConfig | None = None, retries: int = 2, backoff: str = "60s"):
+def build_pipeline(config: PipelineConfig | None = None, retries: int = 2, backoff: str = "60s", cache: bool = True):
     """The pipeline function with the config's cluster resources (`cluster.train`, `cluster.light`)."""
     from pipelines.kubernetes import LIGHT, TRAINING
     from pipelines.post_training import make_pipeline
 
     cluster = (config.cluster if config else None) or {}
     return make_pipeline(dataclasses.replace(TRAINING, **cluster.get("train", {})),
-                         dataclasses.replace(LIGHT, **cluster.get("light", {})), retries, backoff)
+                         dataclasses.replace(LIGHT, **cluster.get("light", {})), retries, backoff, cache)
 
 
-def compile_pipeline(out: str, config: PipelineConfig | None = None) -> str:
+def compile_pipeline(out: str, config: PipelineConfig | None = None, cache: bool = True) -> str:
     from kfp import compiler
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(config), package_path=out)
+    compiler.Compiler().compile(build_pipeline(config, cache=cache), package_path=out)
     return out
 
 

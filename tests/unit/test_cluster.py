@@ -95,6 +95,15 @@ class Handler(BaseHTTPRequestHandler):
         self._handle("POST")
 
 
+def training_caching(run: dict) -> list[bool]:
+    """Whether each training task of a submitted run may be served from KFP's cache."""
+    spec = run["pipeline_spec"]["pipeline_spec"]
+    dags = [spec["root"], *spec["components"].values()]
+    return [task.get("cachingOptions", {}).get("enableCache", False) for dag in dags if "dag" in dag
+            for task in dag["dag"]["tasks"].values()
+            if task["componentRef"]["name"] in ("comp-sft", "comp-reward-model", "comp-grpo", "comp-dpo")]
+
+
 @pytest.fixture
 def kfp_api(monkeypatch, tmp_path):
     from kfp.client import client
@@ -146,15 +155,18 @@ def test_submit_in_a_namespace_with_a_token_file_and_wait(kfp_api, config, token
     assert run["display_name"] == "nightly-sft" and run["experiment_id"] == experiment["experiment_id"]
     assert run["runtime_config"]["parameters"]["algorithm"] == "grpo"
     assert "alignflow-post-training" in json.dumps(run["pipeline_spec"])
+    assert training_caching(run) == [True] * 4
     assert api.polls == 3
 
 
 def test_an_existing_token_comes_from_the_environment(kfp_api, config, monkeypatch, capsys):
     api = kfp_api()
     monkeypatch.setenv("ALIGNFLOW_KFP_TOKEN", TOKEN)
-    code = cli.main(["pipeline", "submit", "--host", api.url, "--config", config, "--namespace", NAMESPACE])
+    code = cli.main(["pipeline", "submit", "--host", api.url, "--config", config, "--namespace", NAMESPACE,
+                     "--no-cache"])
     assert code == 0, capsys.readouterr().err
     assert list(api.runs) == ["run-1"] and api.polls == 0  # no --wait: no polling
+    assert training_caching(api.runs["run-1"]) == [False] * 4
 
 
 def test_a_failed_run_exits_1_with_its_state_and_error(kfp_api, config, token_file, capsys):
