@@ -82,9 +82,13 @@ def publish(path: str) -> None:
 
 
 def _log_metrics(metrics_artifact, metrics: dict[str, float]) -> None:
-    for key, value in metrics.items():
-        if isinstance(value, int | float):
-            metrics_artifact.log_metric(key.replace("/", "."), float(value))
+    """The KFP UI reads the metrics from the artifact's metadata; the same numbers also go into its file,
+    because kfp.local serves a task from its cache only when every output artifact has a file."""
+    numbers = {key.replace("/", "."): float(value) for key, value in metrics.items() if isinstance(value, int | float)}
+    for key, value in numbers.items():
+        metrics_artifact.log_metric(key, value)
+    Path(metrics_artifact.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(metrics_artifact.path).write_text(json.dumps(numbers, indent=2, sort_keys=True))
 
 
 def checkpoint_uri(output_path: str) -> str:
@@ -151,9 +155,10 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
         storage.remove(checkpoints)  # the model is the task's output now; its checkpoints are spent
 
 
-def skip_stage(stage: str, *, model_in: str | None, model_out, report_out, why: str) -> None:
+def skip_stage(stage: str, *, model_in: str | None, model_out, metrics_out, report_out, why: str) -> None:
     """A switched-off stage: hand the input model on (or mark the output empty) and say so in the report."""
     _setup()
+    _log_metrics(metrics_out, {})
     if model_in:
         pass_through(model_in, model_out.path)
     else:

@@ -66,8 +66,8 @@ def sft(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: b
     from components import launcher
 
     if skip:
-        launcher.skip_stage("sft", model_in=base_model.path, model_out=model, report_out=report,
-                            why="skip_sft: the base model is used as the policy")
+        launcher.skip_stage("sft", model_in=base_model.path, model_out=model, metrics_out=metrics,
+                            report_out=report, why="skip_sft: the base model is used as the policy")
     else:
         launcher.train_stage("sft", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
                              metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
@@ -82,8 +82,8 @@ def reward_model(base_model: Input[Model], dataset: Input[Dataset], config: dict
     from components import launcher
 
     if skip:
-        launcher.skip_stage("reward model", model_in=None, model_out=model, report_out=report,
-                            why="skip_reward_model: rule rewards only")
+        launcher.skip_stage("reward model", model_in=None, model_out=model, metrics_out=metrics,
+                            report_out=report, why="skip_reward_model: rule rewards only")
     else:
         launcher.train_stage("reward", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
                              metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,

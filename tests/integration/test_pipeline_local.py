@@ -6,6 +6,7 @@ from its checkpoint in the bucket; a bad parameter fails the first task."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,3 +206,39 @@ def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp
     assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
     assert "Task 'check-inputs' finished with status FAILURE" in log
     assert seconds < 120, f"took {seconds:.0f}s"
+
+
+def test_a_second_run_is_served_from_the_cache_until_its_data_changes(tiny_model, tmp_path):
+    """kfp.local's cache with the pipeline's cache keys: an unchanged run re-trains nothing; new data at
+    the same URI (a recurring run on fresh data) re-trains the stages that read it, and only those."""
+    from trainer.data import demo_path
+
+    data = tmp_path / "sft.jsonl"
+    shutil.copy(demo_path("math_sft"), data)
+    config = tmp_path / "cached.yaml"
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "datasets": {**FAST["datasets"], "sft": str(data)},
+        "sft": {**FAST["sft"], "max_steps": 2}, "reward": {**FAST["reward"], "max_steps": 2},
+        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+
+    def run() -> tuple[set[str], set[str]]:
+        result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--cache",
+                                 "--config", str(config), "--output", str(tmp_path / "out")],
+                                env=env, capture_output=True, text=True, timeout=900)
+        log = _plain(result.stdout + result.stderr)
+        assert result.returncode == 0, log[-3000:]
+        return set(re.findall(r"Executing task '([\w-]+)'", log)), set(re.findall(r"Task '?([\w-]+)'? cache hit", log))
+
+    training = {"sft", "reward-model", "dpo"}
+    executed, hits = run()
+    assert training <= executed and not hits
+    executed, hits = run()
+    assert hits == training and not training & executed
+    assert {"check-inputs", "evaluate-2"} <= executed  # they look at the data and the champion every time
+    with data.open("a") as fh:
+        fh.write(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1? End with #### and the number."}],
+                             "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
+    executed, hits = run()
+    assert hits == {"reward-model"} and {"sft", "dpo"} <= executed

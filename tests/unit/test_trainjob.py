@@ -493,7 +493,8 @@ def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
     monkeypatch.setattr(trainjob, "staging_uri", lambda uri: str(tmp_path / "bucket/run/grpo/model.staging"))
     monkeypatch.setattr(launcher, "parent_run_id", lambda: "parent123")  # found by the run-id tag
     out = SimpleNamespace(path=str(tmp_path / "out"), uri="s3://bucket/run/grpo/model")
-    metrics = SimpleNamespace(logged={}, log_metric=lambda k, v: metrics.logged.__setitem__(k, v))
+    metrics = SimpleNamespace(logged={}, log_metric=lambda k, v: metrics.logged.__setitem__(k, v),
+                              path=str(tmp_path / "metrics"))
     report = SimpleNamespace(path=str(tmp_path / "report.html"))
     launcher.train_stage(
         "grpo",
