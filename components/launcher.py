@@ -207,16 +207,17 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
 
 def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: str, min_improvement: float,
                   pipeline_run: str, report_out) -> str:
-    """Register the evaluated model and move `@champion` (the pipeline calls this only when the gate passed)."""
+    """Register the evaluated model as an MLflow model and move `@champion` (the pipeline calls this only when
+    the gate passed). The promote run is a child of the pipeline's MLflow run (found by the run id)."""
     from trainer import registry
 
     _setup()
     metrics = json.loads(Path(results, "metrics.json").read_text())
     tags = {"alignflow.pipeline_run": pipeline_run}
-    if parent := parent_run_id():
+    if parent := find_pipeline_run():
         tags["alignflow.pipeline_mlflow_run"] = parent
     result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
-                              min_improvement=min_improvement, tags=tags)
+                              min_improvement=min_improvement, tags=tags, parent_run_id=parent or None)
     report.write(report_out.path, f"<html><body><h2>promote {model_name}</h2><p>version {result.version}: "
                                   f"{result.reason}</p><p>champion {result.champion_before} → "
                                   f"{result.champion_after}</p></body></html>")
@@ -238,59 +239,110 @@ class PipelineRunConfig:
         return os.environ.get("MLFLOW_TRACKING_URI") or None
 
 
-def _parent_runs(pipeline_run_id: str) -> list:
-    """The MLflow runs tagged with this pipeline run's id, oldest first."""
+def _client():
+    """An MlflowClient for MLFLOW_TRACKING_URI, or None (with a warning) when it is unset or unreachable."""
+    from trainer.tracking import cap_mlflow_http_retries, unreachable_reason, use_uri_credentials
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    uri = use_uri_credentials(uri)
+    cap_mlflow_http_retries()
+    if uri.startswith(("http://", "https://")) and (why := unreachable_reason(uri)) is not None:
+        log.warning("MLflow at %s is unreachable (%s); the pipeline's MLflow run is not updated.", uri, why)
+        return None
     from mlflow import MlflowClient
 
-    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
-    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment)
+    return MlflowClient(uri)
+
+
+def _pipeline_runs(client) -> list:
+    """The MLflow runs tagged with this pipeline run's id (RUN_ID_ENV), oldest first."""
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment) if run_id else None
     if experiment is None:
         return []
-    return client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_ID_TAG}` = '{pipeline_run_id}'",
+    return client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_ID_TAG}` = '{run_id}'",
                               order_by=["attributes.start_time ASC"])
 
 
-def parent_run_id(pipeline_name: str = "", pipeline_run: str = "", params: dict[str, Any] | None = None) -> str:
-    """The MLflow parent run of this pipeline run, found by its pipeline-run-id tag and opened when
-    missing; '' when tracking is off or unreachable, or outside a pipeline run (no RUN_ID_ENV).
+def find_pipeline_run() -> str:
+    """The MLflow parent run of this pipeline run, found by its ``alignflow.pipeline_run_id`` tag; '' when
+    there is none, no reachable MLflow, or no run id (outside a pipeline run).
 
     Tasks find the parent themselves rather than taking its id as an input: an input made fresh by
     every run would enter every cache key (components/kubernetes.py says where the run id comes from)."""
+    client = _client()
+    try:
+        runs = _pipeline_runs(client) if client else []
+    except Exception as err:  # a server that fails the search: the stage logs without a parent
+        log.warning("MLflow: cannot look up the pipeline's run (%s: %s).", type(err).__name__, err)
+        return ""
+    return runs[0].info.run_id if runs else ""
+
+
+def parent_run_id(pipeline_name: str = "", pipeline_run: str = "", params: dict[str, Any] | None = None) -> str:
+    """The MLflow parent run of this pipeline run, opened when missing (normally by start-run; a stage
+    whose start-run could not reach MLflow opens it itself); '' without tracking or a run id."""
     from trainer.tracking import Tracker
 
     run_id = os.environ.get(RUN_ID_ENV, "")
     if not os.environ.get("MLFLOW_TRACKING_URI") or not run_id:
         return ""
-    try:
-        found = _parent_runs(run_id)
-    except Exception as err:  # an unreachable server: the stage logs without a parent, as the Tracker would
-        log.warning("MLflow: cannot look up the pipeline's parent run (%s: %s).", type(err).__name__, err)
-        return ""
-    if found:
-        return found[0].info.run_id
-    tags = [f"alignflow.pipeline={pipeline_name}", f"{PIPELINE_RUN_TAG}={pipeline_run or run_id}",
-            f"{PIPELINE_RUN_ID_TAG}={run_id}"]
-    tracker = Tracker(PipelineRunConfig(mlflow_run_name=pipeline_run or run_id, mlflow_tags=tags), "pipeline")
+    if existing := find_pipeline_run():
+        return existing
+    name = pipeline_run or run_id
+    tags = [f"alignflow.pipeline={pipeline_name}", f"{PIPELINE_RUN_TAG}={name}", f"{PIPELINE_RUN_ID_TAG}={run_id}"]
+    # The run stays open until finish_pipeline_run; no system metrics (this task ends at once).
+    tracker = Tracker(PipelineRunConfig(mlflow_run_name=name, mlflow_tags=tags), "pipeline", system_metrics=False)
     if params:
         tracker.log_dict(params, "pipeline_params.json")
+    tracker.flush(wait_s=Tracker.finish_wait_s)
     return tracker.run_id or ""
 
 
 def start_pipeline_run(pipeline_name: str, pipeline_run: str, params: dict[str, Any]) -> str:
-    """Open the MLflow parent run of a pipeline run (or find it, on a retry); '' when tracking is off."""
+    """Open the MLflow parent run of a pipeline run, or return the one a retry of this task opened;
+    '' when tracking is off or unreachable."""
     _setup()
     return parent_run_id(pipeline_name, pipeline_run, params)
 
 
-def finish_pipeline_run(pipeline_run: str) -> None:
-    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run-id tag)."""
-    _setup()
-    run_id = os.environ.get(RUN_ID_ENV, "")
-    if not os.environ.get("MLFLOW_TRACKING_URI") or not run_id:
-        return
-    from mlflow import MlflowClient
+# KFP's final pipeline states (PipelineTaskFinalStatus.state) as MLflow run states.
+_KFP_STATES = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELED": "KILLED", "CANCELLED": "KILLED",
+               "CANCELING": "KILLED"}
 
-    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
-    for run in _parent_runs(run_id):
+
+def finish_pipeline_run(pipeline_run: str, pipeline_state: str = "") -> None:
+    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run-id tag; `pipeline_run`
+    is the run's display name, for the log).
+
+    Its child runs still RUNNING belong to stage processes that died (killed pod, OOM): they are marked
+    KILLED with a tag saying so. The parent ends as `pipeline_state` says (a KFP final state, e.g. from an
+    exit handler's ``PipelineTaskFinalStatus.state``); without it, FAILED when some stage's last run
+    failed or died, else FINISHED."""
+    _setup()
+    client = _client()
+    if client is None:
+        return
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment)
+    for run in _pipeline_runs(client):
+        parent = run.info.run_id
+        children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'",
+                                      order_by=["attributes.start_time ASC"])
+        last_status: dict[str, str] = {}  # stage -> status of its latest run (a retry may start a new one)
+        for child in children:
+            status = child.info.status
+            if status == "RUNNING":
+                client.set_tag(child.info.run_id, "alignflow.ended_by",
+                               "finish-run: the stage process ended without ending its run (killed or crashed)")
+                client.set_terminated(child.info.run_id, "KILLED")
+                status = "KILLED"
+                log.warning("MLflow run %s (%s) of pipeline run %s was left RUNNING by a dead stage process; "
+                            "marked KILLED.", child.info.run_id, child.data.tags.get("alignflow.stage", "?"),
+                            pipeline_run)
+            last_status[child.data.tags.get("alignflow.stage", child.info.run_id)] = status
         if run.info.status == "RUNNING":
-            client.set_terminated(run.info.run_id, "FINISHED")
+            failed = any(s in ("FAILED", "KILLED") for s in last_status.values())
+            final = _KFP_STATES.get(pipeline_state.upper(), "FAILED" if failed else "FINISHED")
+            client.set_terminated(parent, final)

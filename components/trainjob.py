@@ -54,7 +54,7 @@ from components.images import TRAINER_IMAGE
 from components.kubejob import KINDS, submit_and_wait
 from components.kubernetes import SECRET_ENV, TRAINING
 from trainer import storage
-from trainer.config import ConfigError, _f
+from trainer.config import ConfigError, option
 
 CONFIG_ENV = "ALIGNFLOW_STAGE_CONFIG"
 CONFIG_FILE = "/tmp/alignflow-stage.json"
@@ -70,34 +70,34 @@ PATCH_MANAGER = "alignflow/launcher"  # owner of this launcher's entry in a Trai
 class MultiNode:
     """Keys of a stage's pipeline config that say how it runs on several nodes (none reach the stage)."""
 
-    nodes: int = _f(
+    nodes: int = option(
         1, "Nodes (pods) to train on; more than 1 submits a TrainJob or PyTorchJob and waits for it."
     )
-    gpus_per_node: int = _f(1, "Training processes per node, one per GPU.")
-    job_kind: str = _f(
+    gpus_per_node: int = option(1, "Training processes per node, one per GPU.")
+    job_kind: str = option(
         "TrainJob",
         "TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1) or PyTorchJob "
         "(Training Operator v1, kubeflow.org/v1).",
         choices=("TrainJob", "PyTorchJob"),
     )
-    training_runtime: str = _f("torch-distributed", "The ClusterTrainingRuntime a TrainJob runs on.")
-    deepspeed: str = _f(
+    training_runtime: str = option("torch-distributed", "The ClusterTrainingRuntime a TrainJob runs on.")
+    deepspeed: str = option(
         "zero2",
         "DeepSpeed ZeRO stage (trainer/configs/accelerate/deepspeed_<value>.yaml), or none "
         "for plain data parallelism (DDP).",
         choices=("zero2", "zero3", "none"),
     )
-    mixed_precision: str = _f("bf16", "accelerate's --mixed_precision.", choices=("bf16", "fp16", "no"))
-    cpu_per_node: str = _f("", f"CPU request of each node; empty = {CPU_PER_GPU} per GPU.")
-    memory_per_node: str = _f(
+    mixed_precision: str = option("bf16", "accelerate's --mixed_precision.", choices=("bf16", "fp16", "no"))
+    cpu_per_node: str = option("", f"CPU request of each node; empty = {CPU_PER_GPU} per GPU.")
+    memory_per_node: str = option(
         "", f"Memory request and limit of each node; empty = {MEMORY_GI_PER_GPU}Gi per GPU."
     )
-    shm_size: str = _f(
+    shm_size: str = option(
         TRAINING.shm_size, "Size of the memory-backed /dev/shm of each node (NCCL, DataLoader)."
     )
-    accelerator: str = _f(TRAINING.accelerator, "Extended resource name of the GPUs.")
-    node_selector: dict = _f({}, "Node labels the pods must match.")
-    tolerations: list = _f(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
+    accelerator: str = option(TRAINING.accelerator, "Extended resource name of the GPUs.")
+    node_selector: dict = option({}, "Node labels the pods must match.")
+    tolerations: list = option(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
 
     def check(self, stage: str, stage_config: Any = None) -> None:
         """Errors that say what to change; `stage_config` (the parsed stage config) enables the GRPO checks."""

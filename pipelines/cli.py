@@ -77,11 +77,14 @@ def pipeline(argv: list[str]) -> int:
         if args.command == "compile":
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
+            from trainer.tracking import redact_uri
+
             out = pipeline_run.run_local(config, args.output, args.pipeline_root, args.retries, args.cache)
+            tracking = redact_uri(out["tracking_uri"])
             print(f"Pipeline run finished in {out['seconds']:.0f}s.\n"
                   f"  task outputs:  {out['pipeline_root']}\n"
-                  f"  MLflow:        {out['tracking_uri']}\n"
-                  f"  browse it:     mlflow ui --backend-store-uri {out['tracking_uri']}")
+                  f"  MLflow:        {tracking}\n"
+                  f"  browse it:     mlflow ui --backend-store-uri {tracking}")
         else:
             target = cluster.Cluster(args.host, args.namespace, args.token_file, args.ui_host)
             if args.command == "submit":

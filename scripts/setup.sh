@@ -10,6 +10,7 @@ PYTHON=${PYTHON:-python3}
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+export DS_BUILD_OPS=0  # deepspeed: the pure-Python wheel; its ops compile on first use, where needed
 # torch first, by exact version: pip then takes the local CPU wheel instead of a CUDA build.
 pip install -q "torch==2.13.0"
 pip install -q -c requirements/cpu.txt -e ".[${EXTRAS}]"

@@ -7,9 +7,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from tests.servers import dead_mlflow_uri, mlflow_server, s3_env, s3_server  # noqa: E402
+from tests.servers import (  # noqa: E402
+    basic_auth_mlflow,
+    dead_mlflow_uri,
+    mlflow_server,
+    restartable_mlflow,
+    s3_env,
+    s3_server,
+)
 
-__all__ = ["dead_mlflow_uri", "mlflow_server", "s3_env", "s3_server"]
+__all__ = ["basic_auth_mlflow", "dead_mlflow_uri", "mlflow_server", "restartable_mlflow", "s3_env", "s3_server"]
 
 
 import pytest  # noqa: E402

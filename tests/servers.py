@@ -7,11 +7,17 @@ teardown with nothing left behind. `tests/conftest.py` imports the fixtures:
 - ``s3_env`` (function): sets the AWS variables so boto3 / s3fs / fsspec reach ``s3_server``.
 - ``mlflow_server`` (session): the tracking URI of ``mlflow server`` (sqlite backend,
   artifacts proxied to ``s3://<bucket>/mlflow``).
+- ``restartable_mlflow`` (module): an `MlflowServer` of its own that a test may kill and start
+  again (same port, same database).
+- ``basic_auth_mlflow`` (function): a `BasicAuthProxy` in front of ``mlflow_server`` that demands
+  HTTP basic auth, as an ingress or MLflow's basic-auth app would.
 - ``dead_mlflow_uri`` (function): an http URI on a port nothing listens on.
 """
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
 import os
 import shutil
@@ -19,11 +25,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -194,36 +202,148 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 # MLflow
 
 
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1:`port`: sqlite backend in `root`, artifacts proxied to
+    ``s3://<bucket>/<prefix>``. `start` waits for /health; `kill` SIGKILLs it (a crash); `start` again
+    brings it back on the same port with the same data."""
+
+    def __init__(self, root: Path, s3: S3Server, prefix: str = "mlflow") -> None:
+        (self.port,) = free_ports(1)
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.root, self.s3, self.prefix = root, s3, prefix
+        self.proc: subprocess.Popen | None = None
+        self.log = root / "server.log"
+
+    def start(self) -> None:
+        env = {**os.environ, **self.s3.env(), "OMP_WAIT_POLICY": "PASSIVE"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        cmd = [sys.executable, "-m", "mlflow", "server",
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", f"s3://{self.s3.bucket}/{self.prefix}",
+               "--workers", "1", "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + MLFLOW_START_TIMEOUT_S
+        while not _health_ok(self.uri):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mlflow server gave no /health within {MLFLOW_START_TIMEOUT_S} s:\n"
+                                   f"{_log_tail(self.log)}")
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers, as a crashed pod would end."""
+        if self.proc is not None:
+            _stop(self.proc, signal.SIGKILL, timeout=5)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc, signal.SIGTERM)
+            self.proc = None
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``mlflow server`` on a free port: sqlite backend, artifacts proxied to s3://<bucket>/mlflow.
 
     Yields the tracking URI (``http://127.0.0.1:PORT``); clients need no S3 credentials."""
-    root = tmp_path_factory.mktemp("mlflow")
-    (port,) = free_ports(1)
-    uri = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **s3_server.env(), "OMP_WAIT_POLICY": "PASSIVE"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "mlflow", "server",
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-           "--artifacts-destination", f"s3://{s3_server.bucket}/mlflow",
-           "--workers", "1", "--host", "127.0.0.1", "--port", str(port)]
-    log = root / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), s3_server)
+    server.start()
     try:
-        deadline = time.monotonic() + MLFLOW_START_TIMEOUT_S
-        while not _health_ok(uri):
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{_log_tail(log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server gave no /health within {MLFLOW_START_TIMEOUT_S} s:\n"
-                                   f"{_log_tail(log)}")
-            time.sleep(0.5)
-        yield uri
+        yield server.uri
     finally:
-        _stop(proc, signal.SIGTERM)
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def restartable_mlflow(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """An MLflow server of the module's own, which its tests may kill and start again."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-restartable"), s3_server, prefix="mlflow-restartable")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()  # its data is thrown away: no need to wait for a clean shutdown
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP basic auth in front of MLflow
+
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+               "transfer-encoding", "upgrade", "content-length", "host"}
+
+
+class BasicAuthProxy:
+    """A reverse proxy on 127.0.0.1 that forwards to `upstream` only requests carrying
+    ``Authorization: Basic <user:password>`` (401 otherwise; /health is open, as in MLflow's
+    basic-auth app). `seen` records (method, path, authorized) of every request."""
+
+    def __init__(self, upstream: str, user: str, password: str) -> None:
+        self.user, self.password = user, password
+        self.seen: list[tuple[str, str, bool]] = []
+        expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        host, port = upstream.removeprefix("http://").split(":")
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                authorized = self.headers.get("Authorization") == expected
+                proxy.seen.append((self.command, self.path, authorized))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if not authorized and self.path != "/health":
+                    self._reply(401, [("WWW-Authenticate", 'Basic realm="mlflow"')], b"Unauthorized")
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                conn = http.client.HTTPConnection(host, int(port), timeout=120)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    response = conn.getresponse()
+                    data = response.read()
+                    self._reply(response.status, [(k, v) for k, v in response.getheaders()
+                                                  if k.lower() not in _HOP_BY_HOP], data)
+                except OSError as err:  # the upstream is down: what an ingress answers
+                    self._reply(502, [], f"upstream unavailable: {err}".encode())
+                finally:
+                    conn.close()
+
+            def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+                self.send_response(status)
+                for key, value in headers:
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.uri = f"http://127.0.0.1:{self._server.server_port}"
+        self.uri_with_credentials = f"http://{user}:{password}@127.0.0.1:{self._server.server_port}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def basic_auth_mlflow(mlflow_server: str) -> Iterator[BasicAuthProxy]:
+    """``mlflow_server`` behind HTTP basic auth (user ``alice``, password ``s3cret-Pw-42``)."""
+    proxy = BasicAuthProxy(mlflow_server, "alice", "s3cret-Pw-42")
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 def _health_ok(uri: str) -> bool:

@@ -17,9 +17,10 @@ previous complete checkpoint or a folder that readers skip.
 
 from __future__ import annotations
 
-import functools
+import base64
 import json
 import logging
+import pickle
 import random
 import re
 import shutil
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from trainer import storage
-from trainer.tracking import git_sha
+from trainer.tracking import git_sha, redact_secrets
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def build_manifest(stage: str, config: Any, base_model: str, datasets: dict[str,
         "base_model": base_model,
         "step": step,
         "datasets": datasets,
-        "config": asdict(config),
+        "config": redact_secrets(asdict(config)),  # no password of a tracking URI in a manifest
         "metrics": metrics,
         "versions": package_versions(),
         "git_sha": git_sha(),
@@ -86,13 +87,39 @@ def build_manifest(stage: str, config: Any, base_model: str, datasets: dict[str,
 # Writing
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's random generators as plain JSON (no pickle, so loading it cannot run code)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Undo `rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+    def tensor(blob: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(blob)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensor(b) for b in state["cuda"]])
+
+
 def _write_state(dest: Path, state: TrainState, optimizer, scheduler) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     torch.save(optimizer.state_dict(), dest / "optimizer.pt")
     if scheduler is not None:
         torch.save(scheduler.state_dict(), dest / "scheduler.pt")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save(rng, dest / "rng.pt")
+    (dest / "rng.json").write_text(json.dumps(rng_state()))
     (dest / "state.json").write_text(json.dumps(asdict(state), indent=2))
 
 
@@ -103,6 +130,7 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
 
     `state`, `optimizer` and `scheduler` make it resumable; leave them out for a final model.
     """
+    check_finite(model)
     remote = storage.is_remote(dest)
     marker = storage.join(dest, COMPLETE_MARKER)
     # The old marker goes first: from here until the new one is written the folder is incomplete.
@@ -129,6 +157,17 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         if remote:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+class NonFiniteWeightsError(ValueError):
+    """A model holds NaN or infinite weights; no checkpoint of it is ever marked complete."""
+
+
+def check_finite(model) -> None:
+    bad = [name for name, p in model.named_parameters() if p.numel() and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise NonFiniteWeightsError(f"{len(bad)} parameter tensor(s) hold NaN or infinite values (first: {bad[0]}); "
+                                    "the checkpoint is not saved. Lower `learning_rate` or check the data.")
 
 
 def _save_merged(peft_model, tokenizer, dest: Path) -> None:
@@ -203,56 +242,34 @@ def read_history(ckpt: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh.read().splitlines() if line.strip()]
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled Python objects that loading would have to execute."""
+
+
+def load_tensors(path: Path) -> Any:
+    """`torch.load` of a training-state file that may hold only tensors, numbers, strings and
+    containers of them: a crafted pickle (one that would run code) is refused, never executed."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{path} holds Python objects other than tensors and numbers; alignflow refuses to unpickle it because "
+            f"that could run arbitrary code ({str(err).splitlines()[0]}). Resume from a checkpoint this run wrote, "
+            "or start a new run from its model with `model`.") from None
+
+
 def load_training_state(ckpt_local: str, optimizer, scheduler) -> TrainState:
-    """Restore optimizer, scheduler and RNG states from a local checkpoint folder."""
+    """Restore optimizer, scheduler and RNG states from a local checkpoint folder (nothing is unpickled)."""
     state_dir = Path(ckpt_local) / STATE_DIR
     if not (state_dir / "state.json").exists():
         raise ValueError(f"{ckpt_local!r} holds no training state (it is a final model, not a step "
                          "checkpoint); start a new run from it with `model` instead.")
-    optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", weights_only=False))
+    optimizer.load_state_dict(load_tensors(state_dir / "optimizer.pt"))
     if scheduler is not None and (state_dir / "scheduler.pt").exists():
-        scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=False))
-    rng = torch.load(state_dir / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
+        scheduler.load_state_dict(load_tensors(state_dir / "scheduler.pt"))
+    if (state_dir / "rng.json").exists():
+        set_rng_state(json.loads((state_dir / "rng.json").read_text()))
+    else:
+        log.warning("%s has no rng.json (written by an older alignflow, whose rng.pt is a pickle and is not "
+                    "loaded): random generators start afresh.", ckpt_local)
     return TrainState(**json.loads((state_dir / "state.json").read_text()))
-
-
-class StageRun:
-    """The bookkeeping a single-process training stage keeps beside its model: the training state
-    (restored when resuming), its MLflow run (continued when resuming), the datasets it read,
-    the last logged metrics, and how it builds its manifest and saves checkpoints."""
-
-    def __init__(self, stage: str, config: Any, model, tokenizer, optimizer, scheduler, resume: str | None,
-                 datasets: dict[str, dict]) -> None:
-        self.stage, self.config, self.datasets = stage, config, datasets
-        self.model, self.tokenizer, self.optimizer, self.scheduler = model, tokenizer, optimizer, scheduler
-        self.resume = resume
-        self.state = load_training_state(resume, optimizer, scheduler) if resume else TrainState()
-        self.last_metrics: dict[str, float] = {}
-
-    @functools.cached_property
-    def tracker(self):
-        """The stage's MLflow run, opened on first use (a stage opens it once its setup can no longer fail)."""
-        from trainer.tracking import Tracker
-
-        tracker = Tracker(self.config, self.stage, run_id=self.state.mlflow_run_id)
-        if self.resume:
-            tracker.history[:] = read_history(self.resume)
-        self.state.mlflow_run_id = tracker.run_id
-        return tracker
-
-    def manifest(self) -> dict[str, Any]:
-        return build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
-                              self.state.global_step)
-
-    def save(self, kind: str) -> None:
-        """Save a resumable step checkpoint (`kind="step"`) or the final model (`"final"`)."""
-        common = dict(model=self.model, tokenizer=self.tokenizer, history=self.tracker.history,
-                      manifest=self.manifest(), merge_lora=self.config.lora_merge_on_save)
-        if kind == "step":
-            save_step_checkpoint(self.config.output_dir, self.state.global_step, self.config.save_total_limit,
-                                 state=self.state, optimizer=self.optimizer, scheduler=self.scheduler, **common)
-        else:
-            save_checkpoint(self.config.output_dir, **common)

@@ -38,6 +38,10 @@ def _train(stage: str, argv: list[str]) -> int:
     except ConfigError as err:
         print(f"alignflow train {stage}: error: {err}", file=sys.stderr)
         return 2
+    from trainer import launch
+
+    if launch.needs_launch(config):
+        return launch.launch(stage, argv, config)
     out = run(config)
     print(f"Saved to {out}")
     return 0

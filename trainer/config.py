@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -22,11 +23,15 @@ import yaml
 C = TypeVar("C", bound="TrainConfig")
 
 
-def _f(default: Any, help: str, **kwargs: Any) -> Any:
+def option(default: Any, help: str, **kwargs: Any) -> Any:
     """A dataclass field with a default and its help string."""
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
     return field(default=default, metadata={"help": help, **kwargs})
+
+
+# `deepspeed` presets: JSON files in trainer/configs/.
+DEEPSPEED_PRESETS = ("zero2", "zero3", "zero3_offload")
 
 
 class ConfigError(ValueError):
@@ -38,65 +43,77 @@ class TrainConfig:
     """Fields shared by every training stage."""
 
     # --- model and data -------------------------------------------------------------------
-    model: str = _f("", "Starting model: a local folder, an s3:// prefix or a hub id.")
-    dataset: str = _f("", "Training data: a jsonl/json/parquet/csv file, a `datasets.save_to_disk` folder, "
-                          "an s3:// prefix, a hub id, or `demo` for the built-in demo data.")
-    dataset_split: str = _f("train", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
-    eval_dataset: str | None = _f(None, "Held-out data in the same format as `dataset` (optional).")
-    eval_split_ratio: float = _f(0.0, "When no `eval_dataset` is given, hold out this fraction of `dataset` "
-                                      "for evaluation (0 = no evaluation).")
-    output_dir: str = _f("outputs/run", "Where checkpoints and the final model go: a local folder or s3:// prefix.")
-    max_length: int = _f(1024, "Longest tokenized example (prompt + completion), in tokens.")
-    truncation_mode: Literal["keep_start", "keep_end", "drop"] = _f(
+    model: str = option("", "Starting model: a local folder, an s3:// prefix or a hub id.")
+    dataset: str = option("", "Training data: a jsonl/json/parquet/csv file, a `datasets.save_to_disk` folder, "
+                              "an s3:// prefix, a hub id, or `demo` for the built-in demo data.")
+    dataset_split: str = option("train", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
+    eval_dataset: str | None = option(None, "Held-out data in the same format as `dataset` (optional).")
+    eval_split_ratio: float = option(0.0, "When no `eval_dataset` is given, hold out this fraction of `dataset` "
+                                          "for evaluation (0 = no evaluation).")
+    output_dir: str = option("outputs/run", "Where checkpoints and the final model go: a local folder or s3:// prefix.")
+    max_length: int = option(1024, "Longest tokenized example (prompt + completion), in tokens.")
+    truncation_mode: Literal["keep_start", "keep_end", "drop"] = option(
         "keep_start", "What to do with examples longer than `max_length`: keep their start, keep their end, "
                       "or drop them. The count is logged either way.")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
         "float32", "Parameter dtype for training. bfloat16 halves memory; float32 is exact on CPU.")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
-    trust_remote_code: bool = _f(False, "Allow model code from the checkpoint folder (hub models with custom code).")
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass to save memory.")
+    bf16: bool = option(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
+                               "gradients and optimizer states stay in `dtype` (TRL's `bf16`). Under DeepSpeed its "
+                               "bf16 mode. `accelerate launch --mixed_precision bf16` turns it on as well.")
+    fp16: bool = option(False, "Mixed precision in float16 with loss scaling (TRL's `fp16`); GPUs without bf16 only.")
+    trust_remote_code: bool = option(False, "Allow model code from the checkpoint folder (hub models with custom code).")
 
     # --- optimisation -----------------------------------------------------------------------
-    max_steps: int = _f(-1, "Optimizer steps to run; -1 means `num_epochs` passes over the data.")
-    num_epochs: float = _f(1.0, "Passes over the training data when `max_steps` is -1.")
-    per_device_batch_size: int = _f(8, "Examples per forward pass on each device.")
-    gradient_accumulation_steps: int = _f(1, "Forward passes per optimizer step.")
-    learning_rate: float = _f(2e-5, "Peak learning rate (AdamW).")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.999, "AdamW beta2.")
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value (0 = no clipping).")
-    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"] = _f(
+    max_steps: int = option(-1, "Optimizer steps to run; -1 means `num_epochs` passes over the data.")
+    num_epochs: float = option(1.0, "Passes over the training data when `max_steps` is -1.")
+    per_device_batch_size: int = option(8, "Examples per forward pass on each device.")
+    gradient_accumulation_steps: int = option(1, "Forward passes per optimizer step.")
+    learning_rate: float = option(2e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.999, "AdamW beta2.")
+    max_grad_norm: float = option(1.0, "Clip the global gradient norm to this value (0 = no clipping).")
+    max_nonfinite_steps: int = option(3, "Optimizer steps whose gradient norm is NaN or infinite (a non-finite loss "
+                                         "or gradient) are skipped; this many in a row stop the run with an error.")
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"] = option(
         "linear", "Learning-rate schedule after warmup (transformers' `get_scheduler` names).")
-    warmup_ratio: float = _f(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
-    seed: int = _f(42, "Seed for model init, data order and sampling.")
+    warmup_ratio: float = option(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
+    seed: int = option(42, "Seed for model init, data order and sampling.")
+
+    # --- devices and processes -----------------------------------------------------------------
+    num_processes: int = option(1, "Training processes (ranks) on this machine, one per GPU (or CPU ranks over gloo); "
+                                   "above 1 `alignflow train` starts them through `accelerate launch` (docs/scaling.md).")
+    deepspeed: str | None = option(None, "DeepSpeed ZeRO: `zero2`, `zero3`, `zero3_offload` (optimizer state in CPU "
+                                         "memory) or a DeepSpeed JSON file; unset = plain data parallelism (DDP).")
 
     # --- checkpoints and logging --------------------------------------------------------------
-    save_steps: int = _f(0, "Save a resumable checkpoint every this many steps (0 = only at the end).")
-    save_minutes: float = _f(0.0, "Also save a resumable checkpoint every this many minutes (0 = off); "
-                                  "pipelines default to 30.")
-    save_total_limit: int = _f(2, "Keep at most this many step checkpoints in `output_dir` (0 = keep all).")
-    logging_steps: int = _f(10, "Log metrics every this many steps.")
-    eval_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).")
-    resume_from_checkpoint: str | None = _f(
+    save_steps: int = option(0, "Save a resumable checkpoint every this many steps (0 = only at the end).")
+    save_minutes: float = option(0.0, "Also save a resumable checkpoint every this many minutes (0 = off); "
+                                      "pipelines default to 30.")
+    save_total_limit: int = option(2, "Keep at most this many step checkpoints in `output_dir` (0 = keep all).")
+    logging_steps: int = option(10, "Log metrics every this many steps.")
+    eval_steps: int = option(0, "Evaluate every this many steps (0 = only at the end).")
+    resume_from_checkpoint: str | None = option(
         None, "A checkpoint folder to resume from, or `auto` for the newest complete checkpoint in `output_dir`.")
-    disable_progress_bar: bool = _f(False, "Hide the progress bar (it also hides when stderr is not a terminal).")
+    disable_progress_bar: bool = option(False, "Hide the progress bar (it also hides when stderr is not a terminal).")
 
     # --- LoRA ---------------------------------------------------------------------------------
-    lora_r: int = _f(0, "LoRA rank; 0 trains all weights.")
-    lora_alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = _f(["all-linear"], "Module names to adapt, or `all-linear`.")
-    lora_merge_on_save: bool = _f(False, "Also save a merged full model (in `merged/`) next to the adapter.")
+    lora_r: int = option(0, "LoRA rank; 0 trains all weights.")
+    lora_alpha: int = option(16, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = option(["all-linear"], "Module names to adapt, or `all-linear`.")
+    lora_merge_on_save: bool = option(False, "Also save a merged full model (in `merged/`) next to the adapter.")
 
     # --- MLflow -------------------------------------------------------------------------------
-    mlflow_tracking_uri: str | None = _f(
+    mlflow_tracking_uri: str | None = option(
         None, "MLflow tracking URI; defaults to the MLFLOW_TRACKING_URI environment variable (unset = no MLflow).")
-    mlflow_experiment: str = _f("alignflow", "MLflow experiment name.")
-    mlflow_run_name: str | None = _f(None, "MLflow run name (default: the stage name and a timestamp).")
-    mlflow_parent_run_id: str | None = _f(
+    mlflow_experiment: str = option("alignflow", "MLflow experiment name.")
+    mlflow_run_name: str | None = option(None, "MLflow run name (default: the stage name and a timestamp).")
+    mlflow_parent_run_id: str | None = option(
         None, "Log as a child of this MLflow run (pipelines set it; also read from MLFLOW_PARENT_RUN_ID).")
-    mlflow_tags: list[str] = _f([], "Extra run tags as KEY=VALUE.")
-    mlflow_log_checkpoint: bool = _f(False, "Upload the final checkpoint folder as MLflow artifacts.")
+    mlflow_tags: list[str] = option([], "Extra run tags as KEY=VALUE.")
+    mlflow_log_checkpoint: bool = option(False, "Upload the final checkpoint folder as MLflow artifacts.")
 
     stage = "base"  # class attribute, not a field
 
@@ -127,9 +144,23 @@ class TrainConfig:
             raise ConfigError(f"`eval_split_ratio` must be in [0, 1), got {self.eval_split_ratio}.")
         if self.eval_dataset and self.eval_split_ratio:
             raise ConfigError("Set either `eval_dataset` or `eval_split_ratio`, not both.")
-        for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r"):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ConfigError(f"`{f.name}` is {value}; it must be a finite number.")
+        for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
+        if self.bf16 and self.fp16:
+            raise ConfigError("Set either `bf16` or `fp16`, not both.")
+        if self.num_processes < 1:
+            raise ConfigError(f"`num_processes` must be >= 1, got {self.num_processes}.")
+        if self.save_minutes < 0:
+            raise ConfigError(f"`save_minutes` must be >= 0, got {self.save_minutes}.")
+        if self.deepspeed and self.deepspeed not in DEEPSPEED_PRESETS and not os.path.isfile(self.deepspeed):
+            raise ConfigError(f"`deepspeed` is {self.deepspeed!r}: give one of {', '.join(DEEPSPEED_PRESETS)} or the "
+                              "path of a DeepSpeed JSON file.")
         for tag in self.mlflow_tags:
             if "=" not in tag:
                 raise ConfigError(f"`mlflow_tags` entries look like KEY=VALUE; got {tag!r}.")
@@ -137,6 +168,11 @@ class TrainConfig:
     @property
     def tracking_uri(self) -> str | None:
         return self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+    @property
+    def mixed_precision(self) -> str:
+        """accelerate's name for the precision asked for: bf16, fp16 or no."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
     @property
     def parent_run_id(self) -> str | None:

@@ -166,7 +166,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _check_messages(messages: Any, row: int, column: str) -> None:
+def check_messages(messages: Any, row: int, column: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"Row {row}: `{column}` must be a non-empty list of {{role, content}} dicts, "
                         f"got {type(messages).__name__}.")
@@ -232,8 +232,8 @@ def tokenize_sft_row(tokenizer, row: dict, fmt: str, index: int, completion_only
     if fmt == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
         if is_conversational(prompt):
-            _check_messages(prompt, index, "prompt")
-            _check_messages(completion, index, "completion")
+            check_messages(prompt, index, "prompt")
+            check_messages(completion, index, "completion")
             prompt_text = render_chat(tokenizer, prompt, add_generation_prompt=True)
             full = render_chat(tokenizer, prompt + completion)
             if not full.startswith(prompt_text):
@@ -254,7 +254,7 @@ def tokenize_sft_row(tokenizer, row: dict, fmt: str, index: int, completion_only
         return prompt_ids + completion_ids, mask
     # messages
     messages = row["messages"]
-    _check_messages(messages, index, "messages")
+    check_messages(messages, index, "messages")
     if not assistant_only_loss:
         ids = _encode(tokenizer, render_chat(tokenizer, messages), False)["input_ids"]
         return ids, [1] * len(ids)
@@ -345,6 +345,16 @@ def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def dataset_fingerprint(ds: datasets.Dataset) -> str:
     return getattr(ds, "_fingerprint", "") or ""
+
+
+def load_train_eval(config) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """A stage's training rows and its held-out rows (`eval_dataset`, or an `eval_split_ratio` split, or None)."""
+    rows = load_rows(config.dataset, config.dataset_split)
+    if config.eval_dataset:
+        return rows, load_rows(config.eval_dataset, config.dataset_split)
+    if config.eval_split_ratio:
+        return split_eval(rows, config.eval_split_ratio, config.seed)
+    return rows, None
 
 
 def describe_datasets(config, rows: datasets.Dataset, eval_rows: datasets.Dataset | None,

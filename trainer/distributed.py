@@ -23,23 +23,19 @@ Rules the helpers encode:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
-import io
 import json
 import logging
+import math
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
-from trainer.logprobs import TargetLogits, target_positions
 from trainer.loop import step_batches
 from trainer.tracking import Tracker
 
@@ -51,34 +47,59 @@ RANK_REPORT_ENV = "ALIGNFLOW_RANK_REPORT_DIR"
 DEEPSPEED_STATE_DIR = "deepspeed"  # inside a step checkpoint: each rank's ZeRO shard
 
 
-def make_accelerator(bf16: bool = False):
-    """The `Accelerator` of one training run, configured by `accelerate launch` (environment variables);
-    `bf16` asks for bf16 mixed precision whatever `--mixed_precision` says.
+def make_accelerator(config):
+    """The `Accelerator` of one training run: precision from the config (`bf16` / `fp16`) or from
+    `accelerate launch --mixed_precision`; processes and DeepSpeed from the launcher's environment.
 
-    Without CUDA, `cpu=True` makes accelerate treat processes started by `torchrun` or
-    `accelerate launch --multi_gpu` as MULTI_CPU ranks over gloo; otherwise it starts the process
-    group yet reports one process. DeepSpeed is left to its own device choice (one process on CPU
-    is how its code path is tested without a GPU).
+    Without CUDA, plain data parallelism needs `cpu=True` (accelerate then treats torchrun's
+    processes as MULTI_CPU ranks over gloo), and DeepSpeed needs a gloo process group instead:
+    without it accelerate reports one process on every rank, and each would train on the whole
+    batch and exit 0, silently wrong. `cpu=True` would turn DeepSpeed off.
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from trainer.config import ConfigError
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    precision = "bf16" if bf16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if (AcceleratorState._shared_state and int(os.environ.get("WORLD_SIZE", "1")) == 1
-            and AcceleratorState().mixed_precision != precision):
-        # accelerate keeps one precision per process; a process that runs several stages (tests,
-        # notebooks) starts this one's afresh.
-        AcceleratorState._reset_state()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed, mixed_precision=precision)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if getattr(config, "deepspeed", None) and not deepspeed:
+        raise ConfigError("`deepspeed` needs the processes started by a launcher: run `alignflow train ...` (it "
+                          "starts them) or `accelerate launch --use_deepspeed ...`, not the stage function directly.")
+    if launched > 1 and getattr(config, "num_processes", 1) not in (1, launched):
+        raise ConfigError(f"`num_processes` is {config.num_processes} but the launcher started {launched} processes; "
+                          "drop `num_processes` or make it match.")
+    precision = config.mixed_precision
+    if precision == "no":
+        precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if (AcceleratorState._shared_state and launched == 1
+            and AcceleratorState().mixed_precision != precision):
+        # accelerate keeps one state per process; a process that runs several stages (tests,
+        # notebooks) starts each one's afresh.
+        AcceleratorState._reset_state()
+    kwargs = {}
+    if not torch.cuda.is_available():
+        if deepspeed:
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        else:
+            kwargs["cpu"] = True
+    accelerator = Accelerator(mixed_precision=precision, **kwargs)
     if launched != accelerator.num_processes:
         raise RuntimeError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
-                           f"{accelerator.num_processes} ({accelerator.distributed_type}). DeepSpeed needs CUDA for "
-                           "several processes; on CPU use plain data parallelism (`accelerate launch --multi_gpu`).")
+                           f"{accelerator.num_processes} ({accelerator.distributed_type}); every rank would train "
+                           "on the whole batch. Launch with `alignflow train --num_processes N` or `accelerate launch`.")
     if not accelerator.is_main_process:
         logging.getLogger("trainer").setLevel(logging.WARNING)  # one rank narrates
     return accelerator
+
+
+def describe(accelerator) -> dict[str, Any]:
+    """What the run really uses (printed at start, written to alignflow.json and MLflow params)."""
+    stage = zero_stage(accelerator)
+    return {"world_size": accelerator.num_processes, "device": str(accelerator.device),
+            "mixed_precision": accelerator.mixed_precision, "zero_stage": stage if stage >= 0 else None,
+            "distributed_type": str(accelerator.distributed_type).rsplit(".", 1)[-1]}
 
 
 def zero_stage(accelerator) -> int:
@@ -136,36 +157,8 @@ def rank_prompts(num_prompts: int, per_rank: int, rank: int, world: int, seed: i
     return picked[rank * per_rank:(rank + 1) * per_rank]
 
 
-def rollout_seed(seed: int, rank: int, world: int) -> int:
-    """A per-call sampling seed distinct for every (seed, rank) pair; `seed` itself with one process."""
-    return seed * world + rank
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward, backward, optimizer step
-
-
-def is_wrapped(model) -> bool:
-    """True for a model that accelerate wrapped (DDP, DeepSpeed, FSDP), whose forward must be called as such."""
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model) is not model
-
-
-def wrapped_target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
-                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          sources: torch.Tensor | None = None, model_kwargs: dict | None = None) -> TargetLogits:
-    """`trainer.logprobs.target_logits` through the wrapper's own forward (see the module docstring).
-
-    The LM head still skips most prompt positions: transformers' `logits_to_keep` keeps the last
-    k positions, from the one predicting the first target on. For GRPO's right-aligned
-    completions that is the completion block plus one. [B, T] -> TargetLogits with N targets.
-    """
-    rows, cols, src = target_positions(target_mask, sources)
-    first = int(src.min()) if src.numel() else input_ids.shape[1] - 1  # earliest predicting position
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=input_ids.shape[1] - first, **(model_kwargs or {})).logits  # [B, T - first, V]
-    return TargetLogits(logits=logits[rows, src - first], targets=input_ids[rows, cols], rows=rows, cols=cols)
 
 
 @contextlib.contextmanager
@@ -197,14 +190,19 @@ def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm: float
     """`trainer.loop.clip_and_step` through accelerate; returns the gradient norm before clipping.
 
     Under DeepSpeed the engine has already clipped (its `gradient_clipping`) and stepped in the
-    last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the engine's.
+    last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the
+    engine's (a non-finite step cannot be skipped there; the runner stops the run instead).
     """
     params = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    optimizer.step()
-    scheduler.step()
+    norm = float(norm) if norm is not None else float("nan")
+    # A non-finite norm (NaN / inf loss or gradients) skips the update: the weights stay finite.
+    # Every rank sees the same norm (gradients are reduced first), so all skip together.
+    if math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm) if norm is not None else float("nan")
+    return norm
 
 
 @contextlib.contextmanager
@@ -273,25 +271,19 @@ def seed_rank(seed: int, rank: int) -> None:
         set_seed(seed + rank)
 
 
-def _rng_blob() -> str:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def rank_rng_states(accelerator) -> list[str] | None:
-    """Every rank's RNG state (for a step checkpoint's `TrainState.extra`); None with one process,
-    whose RNG state the checkpoint keeps already. Every rank must call it."""
+def rank_rng_states(accelerator) -> list[dict] | None:
+    """Every rank's RNG state as JSON (for a step checkpoint's `TrainState.extra`); None with one
+    process, whose RNG state the checkpoint keeps already. Every rank must call it."""
     if accelerator.num_processes == 1:
         return None
     from accelerate.utils import gather_object
 
-    return gather_object([_rng_blob()])
+    from trainer.checkpoint import rng_state
+
+    return gather_object([rng_state()])
 
 
-def restore_rank_rng(accelerator, states: list[str] | None) -> None:
+def restore_rank_rng(accelerator, states: list[dict] | None) -> None:
     """Undo `rank_rng_states` on this rank (the checkpoint restored rank 0's state on every rank)."""
     if not states or accelerator.num_processes == 1:
         return
@@ -299,12 +291,12 @@ def restore_rank_rng(accelerator, states: list[str] | None) -> None:
         log.warning("The checkpoint holds RNG states of %d ranks, this run has %d; ranks keep rank 0's.",
                     len(states), accelerator.num_processes)
         return
-    state = torch.load(io.BytesIO(base64.b64decode(states[accelerator.process_index])), weights_only=False)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if not isinstance(states[accelerator.process_index], dict):
+        log.warning("The checkpoint's per-rank RNG states are in an older, pickled format; they are not loaded.")
+        return
+    from trainer.checkpoint import set_rng_state
+
+    set_rng_state(states[accelerator.process_index])
 
 
 class _ShardedOptimizer:
@@ -324,9 +316,25 @@ def checkpoint_optimizer(accelerator, optimizer):
 
 def save_engine_state(accelerator, model, checkpoint_dir: str) -> None:
     """DeepSpeed: every rank writes its ZeRO shard of model and optimizer state into the step
-    checkpoint (a local folder). Call on all ranks before rank 0 completes the checkpoint."""
-    if accelerator.state.deepspeed_plugin is not None:
+    checkpoint; to an object store through a local folder of its own, which it uploads. Call on
+    all ranks before rank 0 completes the checkpoint (the marker comes last)."""
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    from trainer import storage
+
+    if not storage.is_remote(checkpoint_dir):
         model.save_checkpoint(str(Path(checkpoint_dir) / DEEPSPEED_STATE_DIR), tag="state", save_latest=False)
+        return
+    import shutil
+    import tempfile
+
+    local = Path(tempfile.mkdtemp(prefix=f"alignflow-zero-rank{accelerator.process_index}-"))
+    try:
+        model.save_checkpoint(str(local), tag="state", save_latest=False)
+        # The ranks write different files (rank 0 also the model states), so uploads never collide.
+        storage.upload_dir(local, storage.join(checkpoint_dir, DEEPSPEED_STATE_DIR))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def load_engine_state(accelerator, model, checkpoint_dir: str) -> None:

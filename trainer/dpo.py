@@ -33,36 +33,26 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import (
-    describe_datasets,
-    is_conversational,
-    load_rows,
-    pack_best_fit,
-    report_lengths,
-    split_eval,
-)
-from trainer.logprobs import selective_log_softmax, sequence_sums, target_logits
-from trainer.loop import (
-    MetricWindow,
-    Progress,
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    set_seed,
-    step_batches,
-    total_steps,
-)
+from trainer import distributed
+from trainer.config import ConfigError, TrainConfig, option
+from trainer.data import describe_datasets, is_conversational, load_train_eval, pack_best_fit
+from trainer.logprobs import TargetLM, selective_log_softmax, sequence_sums, target_logits
+from trainer.loop import total_steps
 from trainer.losses import dpo_loss
-from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-from trainer.preferences import PreferenceText, load_pairs
-from trainer.storage import fetch_to_local, is_remote
+from trainer.models import (
+    apply_lora,
+    count_parameters,
+    disable_dropout,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
+from trainer.preferences import TokenizedPairs, load_pairs, tokenize_dpo_pairs
+from trainer.runner import StageRunner, to_device
 
 log = logging.getLogger(__name__)
 
@@ -73,31 +63,31 @@ REFERENCE_FREE = ("simpo",)
 class DPOConfig(TrainConfig):
     """Direct preference optimisation on `prompt`/`chosen`/`rejected` pairs (text or chat)."""
 
-    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW). TRL's DPO default; small models and LoRA "
-                                    "usually want more.")
-    beta: float = _f(0.1, "Strength of the tie to the reference: higher keeps the policy closer "
-                          "(β of https://arxiv.org/abs/2305.18290; τ of IPO; β of SimPO).")
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"] = _f(
+    learning_rate: float = option(1e-6, "Peak learning rate (AdamW). TRL's DPO default; small models and LoRA "
+                                        "usually want more.")
+    beta: float = option(0.1, "Strength of the tie to the reference: higher keeps the policy closer "
+                              "(β of https://arxiv.org/abs/2305.18290; τ of IPO; β of SimPO).")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"] = option(
         "sigmoid", "Preference loss: sigmoid (DPO), ipo (https://arxiv.org/abs/2310.12036), hinge (SLiC, "
                    "https://arxiv.org/abs/2305.10425), robust (https://arxiv.org/abs/2403.00409), apo_zero "
                    "(https://arxiv.org/abs/2408.06266), or simpo (reference-free, https://arxiv.org/abs/2405.14734).")
-    label_smoothing: float = _f(0.0, "For `robust` (and `simpo`): assumed probability that a preference label is "
-                                     "flipped, in [0, 0.5). Must be 0 for the other loss types.")
-    simpo_gamma: float = _f(0.5, "SimPO's target reward margin γ (only with loss_type=simpo).")
-    max_prompt_length: int = _f(0, "Longest prompt, in tokens; longer prompts lose their start (left truncation). "
-                                   "Below `max_length`; the reply gets the rest. 0 = half of `max_length`.")
-    ref_model: str | None = _f(None, "Reference model checkpoint (folder, s3:// prefix or hub id). Default: a frozen "
-                                     "copy of `model`, or with LoRA the base model with adapters disabled.")
-    precompute_ref_log_probs: bool = _f(False, "Score every pair under the reference once before training and free "
-                                               "the reference model (saves memory and a forward per step).")
-    precompute_ref_batch_size: int = _f(0, "Pairs per forward when precomputing reference log-probs "
-                                           "(0 = 2 x `per_device_batch_size`).")
-    padding_free: bool = _f(True, "Pack each batch's sequences into rows of at most `max_length` tokens instead of "
-                                  "padding every sequence to the longest; position ids restart per sequence, so none "
-                                  "attends to another. Same result, less compute. Checked on the first batch: a model "
-                                  "whose attention mixes packed sequences falls back to padding, with a warning.")
-    disable_dropout: bool = _f(True, "Turn off dropout in the policy and reference, as TRL does, so that policy and "
-                                     "reference agree exactly at the start.")
+    label_smoothing: float = option(0.0, "For `robust` (and `simpo`): assumed probability that a preference label is "
+                                         "flipped, in [0, 0.5). Must be 0 for the other loss types.")
+    simpo_gamma: float = option(0.5, "SimPO's target reward margin γ (only with loss_type=simpo).")
+    max_prompt_length: int = option(0, "Longest prompt, in tokens; longer prompts lose their start (left truncation). "
+                                       "Below `max_length`; the reply gets the rest. 0 = half of `max_length`.")
+    ref_model: str | None = option(None, "Reference model checkpoint (folder, s3:// prefix or hub id). Default: a frozen "
+                                         "copy of `model`, or with LoRA the base model with adapters disabled.")
+    precompute_ref_log_probs: bool = option(False, "Score every pair under the reference once before training and free "
+                                                   "the reference model (saves memory and a forward per step).")
+    precompute_ref_batch_size: int = option(0, "Pairs per forward when precomputing reference log-probs "
+                                               "(0 = 2 x `per_device_batch_size`).")
+    padding_free: bool = option(True, "Pack each batch's sequences into rows of at most `max_length` tokens instead of "
+                                      "padding every sequence to the longest; position ids restart per sequence, so none "
+                                      "attends to another. Same result, less compute. Checked on the first batch: a model "
+                                      "whose attention mixes packed sequences falls back to padding, with a warning.")
+    disable_dropout: bool = option(True, "Turn off dropout in the policy and reference, as TRL does, so that policy and "
+                                         "reference agree exactly at the start.")
 
     stage = "dpo"
 
@@ -130,69 +120,12 @@ class DPOConfig(TrainConfig):
 # Data
 
 
-@dataclass
-class TokenizedPairs:
-    """Token ids of every kept pair: the prompt and both completions (each ending in eos for text)."""
-
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    chosen_ids: list[list[int]] = field(default_factory=list)
-    rejected_ids: list[list[int]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
-
-    def pair_length(self, i: int) -> int:
-        return 2 * len(self.prompt_ids[i]) + len(self.chosen_ids[i]) + len(self.rejected_ids[i])
-
-
-def tokenize_pairs(pairs: list[PreferenceText], tokenizer, name: str, chat: bool, max_length: int,
-                   max_prompt_length: int, truncation_mode: str, total_rows: int) -> TokenizedPairs:
-    """Tokenize pairs and apply the length policy.
-
-    The prompt keeps its last `max_prompt_length` tokens (the end of a conversation is what the
-    reply answers). Each completion then gets `max_length - len(prompt)` tokens, cut per
-    `truncation_mode` (keep_start, keep_end, or drop the pair). Text completions end in eos, as
-    in TRL; rendered chat replies already end in the template's end-of-turn tokens.
-    """
-    eos = tokenizer.eos_token_id
-    out = TokenizedPairs()
-    prompts_cut = truncated = dropped_long = 0
-    for pair in pairs:
-        prompt = tokenizer(pair.prompt, add_special_tokens=not chat)["input_ids"]
-        if len(prompt) > max_prompt_length:
-            prompt = prompt[-max_prompt_length:]
-            prompts_cut += 1
-        budget = max_length - len(prompt)
-        completions = []
-        for text in (pair.chosen, pair.rejected):
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not chat and eos is not None and (not ids or ids[-1] != eos):
-                ids = ids + [eos]
-            completions.append(ids)
-        too_long = any(len(ids) > budget for ids in completions)
-        if too_long and truncation_mode == "drop":
-            dropped_long += 1
-            continue
-        if too_long:
-            truncated += 1
-            cut = slice(-budget, None) if truncation_mode == "keep_end" else slice(None, budget)
-            completions = [ids[cut] for ids in completions]
-        out.prompt_ids.append(prompt)
-        out.chosen_ids.append(completions[0])
-        out.rejected_ids.append(completions[1])
-    if prompts_cut:
-        log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d and lost their start.",
-                    name, prompts_cut, total_rows, max_prompt_length)
-    report_lengths(name, total_rows, max_length, truncation_mode, truncated, dropped_long, 0, len(out))
-    return out
-
-
 def load_split(rows, name: str, tokenizer, config: DPOConfig) -> TokenizedPairs:
     """Pairs of a dataset (errors name the missing columns; identical pairs dropped), tokenized."""
     pairs, _ = load_pairs(rows, name, "dpo", tokenizer)
     chat = is_conversational(rows[0]["chosen"])  # a column is all text or all chat
-    return tokenize_pairs(pairs, tokenizer, name, chat, config.max_length, config.prompt_limit,
-                          config.truncation_mode, len(rows))
+    return tokenize_dpo_pairs(pairs, tokenizer, name, chat, config.max_length, config.prompt_limit,
+                              config.truncation_mode, len(rows))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +158,7 @@ class DPOBatch:
         return int((self.sequence >= 0).sum())
 
 
-def collate(indices: list[int], data: TokenizedPairs, pad_id: int, pack_to: int = 0) -> DPOBatch:
+def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int = 0) -> DPOBatch:
     """Pad to the longest sequence of this batch (not to `max_length`), or with `pack_to` > 0 pack
     the sequences into rows of at most `pack_to` tokens (best fit, longest first).
 
@@ -292,37 +225,48 @@ def sequence_logps(model, batch: DPOBatch, with_logits: bool = True) -> Sequence
 class Reference:
     """Where reference log-probs come from: a cache filled before training, or a frozen model.
 
-    `model` is a frozen model, or the PEFT policy itself when `adapter_disabled` (its base
-    model). `cache` maps a split ("train", "eval") to [num_pairs, 2] (chosen, rejected) sums.
+    `model` is a frozen model, or the policy itself (as prepared: forwards go through the DDP /
+    DeepSpeed wrapper) with the adapters of `adapters` (the PEFT model) disabled, i.e. its base
+    model. `cache` maps a split ("train", "eval") to [num_pairs, 2] (chosen, rejected) sums.
     Reference-free loss types use an empty Reference and never call it.
     """
 
     model: Any = None
-    adapter_disabled: bool = False
+    adapters: Any = None
     cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    sharded: bool = False  # parameters sharded by DeepSpeed ZeRO-3
 
     def compute(self, batch: DPOBatch) -> torch.Tensor:
         """Reference log-probs of a batch's 2B sequences, [2B], without autograd."""
         was_training = self.model.training
         self.model.eval()
-        adapters_off = self.model.disable_adapter() if self.adapter_disabled else contextlib.nullcontext()
-        with torch.inference_mode(), adapters_off:
+        adapters_off = self.adapters.disable_adapter() if self.adapters is not None else contextlib.nullcontext()
+        # inference_mode is faster, but ZeRO-3 would gather parameters into inference tensors.
+        with (torch.no_grad() if self.sharded else torch.inference_mode()), adapters_off:
             logps = sequence_logps(self.model, batch, with_logits=False).logps
         self.model.train(was_training)
         return logps.clone()  # a normal tensor: inference tensors cannot join the policy's graph
 
     def logps(self, batch: DPOBatch, split: str) -> torch.Tensor:
         if split in self.cache:
-            pair = self.cache[split][batch.pairs]  # [B, 2]
+            pair = self.cache[split][batch.pairs.cpu()].to(batch.input_ids.device)  # [B, 2]
             return torch.cat([pair[:, 0], pair[:, 1]])
         return self.compute(batch)
 
-    def precompute(self, data: TokenizedPairs, split: str, batch_size: int, pad_id: int, pack_to: int) -> None:
-        scores = []
-        for start in range(0, len(data), batch_size):
-            batch = collate(list(range(start, min(start + batch_size, len(data)))), data, pad_id, pack_to)
-            scores.append(self.compute(batch).view(2, -1).T)  # [B, 2]
-        self.cache[split] = torch.cat(scores)
+    def precompute(self, run: StageRunner, data: TokenizedPairs, split: str, batch_size: int, pad_id: int,
+                   pack_to: int) -> None:
+        """Score every pair once: each rank its contiguous share, gathered in data order."""
+        from accelerate.utils import gather_object
+
+        scores: list[list[float]] = []
+        for part in run.rank_slice(len(data), batch_size):
+            batch = to_device(collate(data, list(part or range(1)), pad_id, pack_to), run.device)
+            with run.accelerator.autocast():
+                pair = self.compute(batch).view(2, -1).T  # [B, 2]; an empty share still runs a forward (ZeRO-3)
+            scores += pair.tolist() if len(part) else []
+        if run.world > 1:
+            scores = sum(gather_object([scores]), [])
+        self.cache[split] = torch.tensor(scores, dtype=torch.float32)
 
 
 def freeze(model):
@@ -331,21 +275,17 @@ def freeze(model):
     return model
 
 
-def disable_dropout(model) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def packing_is_exact(model, indices: list[int], data: TokenizedPairs, pad_id: int, pack_to: int) -> bool:
+def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int, device="cpu") -> bool:
     """Whether `model` scores packed sequences as it scores padded ones, i.e. its attention builds
     the block-diagonal mask from restarting position ids (transformers' models do; some
-    remote-code models do not, and would let packed sequences attend to each other)."""
+    remote-code models do not, and would let packed sequences attend to each other). Checked on
+    the shortest few pairs, which pack several sequences per row and cost little to score twice."""
+    indices = sorted(range(len(data)), key=data.pair_length)[:4]
     was_training = model.training
     model.eval()
-    with torch.inference_mode():
-        padded = sequence_logps(model, collate(indices, data, pad_id), with_logits=False)
-        packed = sequence_logps(model, collate(indices, data, pad_id, pack_to), with_logits=False)
+    with torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+        padded = sequence_logps(model, to_device(collate(data, indices, pad_id), device), with_logits=False)
+        packed = sequence_logps(model, to_device(collate(data, indices, pad_id, pack_to), device), with_logits=False)
     model.train(was_training)
     per_token = float(((padded.logps - packed.logps).abs() / padded.lengths.clamp(min=1)).max())
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
@@ -357,7 +297,7 @@ def packing_is_exact(model, indices: list[int], data: TokenizedPairs, pad_id: in
 
 
 def reference_model(config: DPOConfig, model_path: str, policy, fresh_start: bool) -> tuple[Any, bool]:
-    """(model, adapter_disabled) to score the reference with; see the module docstring for the order."""
+    """(model, adapters_off) to score the reference with; see the module docstring for the order."""
     load = dict(dtype=config.dtype, trust_remote_code=config.trust_remote_code)
     if config.ref_model:
         ref = freeze(load_causal_lm(resolve_model_path(config.ref_model), **load))
@@ -413,48 +353,99 @@ def add_sums(total: dict[str, float], sums: dict[str, float]) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, data: TokenizedPairs, reference: Reference, config: DPOConfig, pad_id: int,
-             pack_to: int) -> dict[str, float]:
-    model.eval()
+def evaluate(run: StageRunner, data: TokenizedPairs, reference: Reference, pad_id: int, pack_to: int) -> dict[str, float]:
+    """The metrics over the whole eval set; each rank scores its share, the sums cross ranks."""
+    config = run.config
+    run.module.eval()
     total: dict[str, float] = {}
-    for start in range(0, len(data), config.per_device_batch_size):
-        batch = collate(list(range(start, min(start + config.per_device_batch_size, len(data)))), data, pad_id,
-                        pack_to)
-        ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "eval")
-        add_sums(total, pair_loss(model, batch, ref, config)[1])
-    model.train()
-    return {f"eval_{k}": v for k, v in metric_means(total).items()}
+    for part in run.rank_slice(len(data)):
+        batch = to_device(collate(data, list(part or range(1)), pad_id, pack_to), run.device)
+        with run.accelerator.autocast():
+            ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "eval")
+            sums = pair_loss(run.model, batch, ref, config)[1]  # an empty share still runs a forward (ZeRO-3)
+        add_sums(total, {k: v * bool(len(part)) for k, v in sums.items()})
+    run.module.train()
+    return {f"eval_{k}": v for k, v in metric_means(run.sum_over_ranks(total)).items()}
 
 
 # ----------------------------------------------------------------------------------------------
 # The stage
 
 
+def train_step(run: StageRunner, data: TokenizedPairs, reference: Reference, pad_id: int,
+               pack_to: int) -> dict[str, float]:
+    """One optimizer step over this rank's share of the step's pairs; returns the step's metrics."""
+    config = run.config
+    step = run.state.global_step + 1
+    micro = [(collate(data, part.indices, pad_id, pack_to), part.weight) for part in run.rank_batches(len(data), step)]
+    step_pairs = run.sum_over_ranks({"n": sum(w * b.num_pairs for b, w in micro)})["n"]
+    sums: dict[str, float] = {}
+    for i, (batch, weight) in enumerate(micro):
+        batch = to_device(batch, run.device)
+        with run.micro_batch(last=i == len(micro) - 1):
+            ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "train")
+            loss, batch_sums = pair_loss(run.model, batch, ref, config)
+            # The loss is a mean over the step's pairs on all ranks (x world size: gradients are averaged).
+            run.backward(loss * (weight * batch.num_pairs / step_pairs * run.world))
+        add_sums(sums, {**{k: v * weight for k, v in batch_sums.items()}, "tokens": weight * batch.num_tokens})
+    grad_norm = run.optimizer_step()
+    sums = run.sum_over_ranks(sums)
+    run.state.global_step = step
+    run.state.num_tokens += int(sums.pop("tokens"))
+    return {**metric_means(sums), "grad_norm": grad_norm}
+
+
+def prepare_reference(run: StageRunner, model_path: str, train_data: TokenizedPairs, splits: dict,
+                      pad_id: int, pack_to: int) -> Reference:
+    """The reference: restored scores, precomputed scores (sharded over ranks), or a model scoring every batch."""
+    config = run.config
+    reference = Reference(sharded=run.runtime["zero_stage"] == 3)
+    if config.precompute_ref_log_probs:
+        saved = run.state.extra.get("ref_logps", {})  # from the checkpoint; recomputed if the data changed since
+        reference.cache = {k: torch.tensor(v) for k, v in saved.items() if k in splits and len(v) == len(splits[k])}
+    if config.loss_type in REFERENCE_FREE or set(reference.cache) == set(splits):
+        return reference
+    model, adapters_off = reference_model(config, model_path, run.module, not run.resume)
+    if model is run.module:  # the policy itself (LoRA adapters off, or before its first step)
+        reference.model, reference.adapters = run.model, run.module if adapters_off else None
+    else:
+        # (Under ZeRO-3 the reference loads sharded; it is the policy's architecture in practice.)
+        if pack_to and run.runtime["zero_stage"] != 3 and not packing_is_exact(model, train_data, pad_id, pack_to):
+            raise ConfigError(f"The reference model {config.ref_model!r} mixes packed sequences (its attention does "
+                              "not follow restarting position ids); set `padding_free false`.")
+        reference.model = distributed.prepare_reference(run.accelerator, TargetLM(model))
+    if config.precompute_ref_log_probs:
+        started = time.perf_counter()
+        batch_size = config.precompute_ref_batch_size or 2 * config.per_device_batch_size
+        for split, data in splits.items():
+            if split not in reference.cache:
+                reference.precompute(run, data, split, batch_size, pad_id, pack_to)
+        reference.model = None  # training needs only the scores
+        run.state.extra["ref_logps"] = {k: v.tolist() for k, v in reference.cache.items()}
+        log.info("Reference log-probs of %s ready in %.1fs.", " and ".join(splits), time.perf_counter() - started)
+    return reference
+
+
 def run_dpo(config: DPOConfig) -> str:
-    """Train, checkpoint and save; returns `config.output_dir` (holding the final model)."""
-    set_seed(config.seed)
-    started = time.perf_counter()
+    """Train, checkpoint and save; returns `config.output_dir` (holding the final model).
+
+    Under `accelerate launch` (or `alignflow train dpo --num_processes N`) every process runs it as one rank.
+    """
+    run = StageRunner("dpo", config)
 
     # 1. Data, validated before any model is loaded.
     model_path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(model_path, config.trust_remote_code)
-    rows = load_rows(config.dataset, config.dataset_split)
-    if config.eval_dataset:
-        eval_rows = load_rows(config.eval_dataset, config.dataset_split)
-    elif config.eval_split_ratio:
-        rows, eval_rows = split_eval(rows, config.eval_split_ratio, config.seed)
-    else:
-        eval_rows = None
+    rows, eval_rows = load_train_eval(config)
     train_data = load_split(rows, config.dataset, tokenizer, config)
     eval_data = load_split(eval_rows, config.eval_dataset or "eval split", tokenizer, config) if eval_rows else None
-    steps = total_steps(config, len(train_data))
-    data_runtime = time.perf_counter() - started
+    splits = {"train": train_data, **({"eval": eval_data} if eval_data else {})}
+    steps = total_steps(config, len(train_data), run.world)
+    data_runtime = time.perf_counter() - run.started
     log.info("DPO: %d pairs, %d optimizer steps, loss_type=%s.", len(train_data), steps, config.loss_type)
 
     # 2. Policy, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
-    if resume and is_remote(resume):
-        resume = fetch_to_local(resume)
+    resume = run.resume_checkpoint()
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:
@@ -464,93 +455,25 @@ def run_dpo(config: DPOConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config, steps)
-    run = ckpt.StageRun("dpo", config, model, tokenizer, optimizer, scheduler, resume,
-                        describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
-                                          {"pairs": len(eval_data)} if eval_data is not None else None))
-    state = run.state
-
-    # 3. The reference: restored scores, precomputed scores, or a model scoring every batch.
-    splits = {"train": train_data, **({"eval": eval_data} if eval_data else {})}
-    reference = Reference()
-    if config.precompute_ref_log_probs:
-        saved = state.extra.get("ref_logps", {})  # from the checkpoint; recomputed if the data changed since
-        reference.cache = {k: torch.tensor(v) for k, v in saved.items() if k in splits and len(v) == len(splits[k])}
-    if config.loss_type not in REFERENCE_FREE and set(reference.cache) != set(splits):
-        reference.model, reference.adapter_disabled = reference_model(config, model_path, model, not resume)
-    pack_to = config.max_length if config.padding_free else 0
-    if pack_to:
-        # The shortest few pairs pack several sequences per row, and cost little to score twice.
-        probe = sorted(range(len(train_data)), key=train_data.pair_length)[:4]
-        architectures = {type(m.get_base_model() if hasattr(m, "get_base_model") else m): m
-                         for m in (model, reference.model) if m is not None}
-        if not all(packing_is_exact(m, probe, train_data, tokenizer.pad_token_id, pack_to)
-                   for m in architectures.values()):
+    run.tokenizer = tokenizer
+    with run.failing():
+        run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
+                                                    {"pairs": len(eval_data)} if eval_data is not None else None),
+                    wrap=TargetLM)
+        pad_id = tokenizer.pad_token_id
+        pack_to = config.max_length if config.padding_free else 0
+        if pack_to and not packing_is_exact(run.model, train_data, pad_id, pack_to, run.device):
             pack_to = 0
-    if config.precompute_ref_log_probs:
-        ref_started = time.perf_counter()
-        batch_size = config.precompute_ref_batch_size or 2 * config.per_device_batch_size
-        for split, data in splits.items():
-            if split not in reference.cache:
-                reference.precompute(data, split, batch_size, tokenizer.pad_token_id, pack_to)
-        reference.model = None  # training needs only the scores
-        state.extra["ref_logps"] = {k: v.tolist() for k, v in reference.cache.items()}
-        log.info("Reference log-probs of %s ready in %.1fs.", " and ".join(splits), time.perf_counter() - ref_started)
-    tracker = run.tracker
+        reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)
 
-    # 4. The loop.
-    pad_id = tokenizer.pad_token_id
-    pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
-    window = MetricWindow()
-    progress = Progress(steps, state.global_step, "dpo", config.disable_progress_bar)
-    loop_started = time.perf_counter()
-    try:
-        while state.global_step < steps:
-            step = state.global_step + 1
-            micro = [collate(idx, train_data, pad_id, pack_to)
-                     for idx in step_batches(len(train_data), config.per_device_batch_size,
-                                             config.gradient_accumulation_steps, config.seed, step)]
-            step_pairs = sum(b.num_pairs for b in micro)
-            sums: dict[str, float] = {}
-            for batch in micro:
-                ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "train")
-                loss, batch_sums = pair_loss(model, batch, ref, config)
-                (loss * (batch.num_pairs / step_pairs)).backward()
-                add_sums(sums, batch_sums)
-                state.num_tokens += batch.num_tokens
-            grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
-            state.global_step = step
-            window.add({**metric_means(sums), "grad_norm": grad_norm})
-            logged = None
-            if step % config.logging_steps == 0 or step == steps:
-                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
-                          "num_tokens": float(state.num_tokens), "epoch": step * pairs_per_step / len(train_data)}
-                if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
-                    logged.update(evaluate(model, eval_data, reference, config, pad_id, pack_to))
-                tracker.log_metrics(logged, step)
-                run.last_metrics = logged
-            progress.update(step, logged)
-            if config.save_steps and step % config.save_steps == 0 and step != steps:
-                run.save("step")
-        progress.close()
+        # 3. The loop.
+        evaluate_now = (lambda: evaluate(run, eval_data, reference, pad_id, pack_to)) if eval_data else None
+        loop_started = time.perf_counter()
+        while run.state.global_step < steps:
+            run.end_step(train_step(run, train_data, reference, pad_id, pack_to), len(train_data), evaluate_now)
         loop_runtime = time.perf_counter() - loop_started
 
-        # 5. Final evaluation and the model.
-        if eval_data:
-            final_eval = evaluate(model, eval_data, reference, config, pad_id, pack_to)
-            tracker.log_metrics(final_eval, state.global_step)
-            run.last_metrics = {**run.last_metrics, **final_eval}
-        run.last_metrics.update(train_runtime=time.perf_counter() - started, data_runtime=data_runtime,
-                                loop_runtime=loop_runtime)
-        run.save("final")
-        tracker.log_dict(run.manifest(), ckpt.MANIFEST)
-        if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
-            tracker.log_artifacts(config.output_dir, "checkpoint")
-        tracker.finish()
-    except BaseException:
-        progress.close()
-        tracker.finish("FAILED")
-        raise
-    log.info("DPO done in %.1fs; model saved to %s", time.perf_counter() - started, config.output_dir)
-    return str(Path(config.output_dir)) if not is_remote(config.output_dir) else config.output_dir
+        # 4. Final evaluation and the model.
+        run.final_evaluation(evaluate_now)
+        run.last_metrics.update(data_runtime=data_runtime, loop_runtime=loop_runtime)
+        return run.finish()

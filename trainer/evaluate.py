@@ -42,9 +42,9 @@ from typing import Any, Literal
 import torch
 
 from trainer import storage
-from trainer.config import ConfigError, TrainConfig, _f
+from trainer.completions import batched_logps, build_batch, prompt_token_ids
+from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, is_conversational, load_rows
-from trainer.grpo import batched_logps, build_batch, prompt_token_ids
 from trainer.losses import combine_rewards
 from trainer.models import load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import RewardModelScorer, load_reward_function, reward_name, score_completions
@@ -72,33 +72,33 @@ def _as_in_train_config(name: str) -> Any:
 class EvalConfig:
     """Evaluate a model on held-out prompts: rewards, accuracy, reward-model score, win rate, KL."""
 
-    model: str = _f("", "Model to evaluate: a checkpoint folder, an s3:// prefix or a hub id.")
-    dataset: str = _f("", "Held-out prompts: a file/folder/s3:// prefix/hub id (as for training) with a `prompt` "
-                          "column (text or chat messages) and any columns the reward functions read, e.g. `answer`.")
-    dataset_split: str = _f("test", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
-    max_samples: int | None = _f(None, "Evaluate the first this many prompts only (default: all).")
-    reward_funcs: list[str] = _f([], "Reward functions: built-ins (exact_answer, answer_format, regex:<pattern>, "
-                                     "length:<N>), import paths `pkg.module:fn` with TRL's signature, or reward-model "
-                                     "checkpoints. `reward` is their weighted sum (none: no `reward` metric).")
-    reward_weights: list[float] = _f([], "One weight per reward function (default: all 1.0).")
-    reward_model: str | None = _f(None, "Reward-model checkpoint used as the judge: gives `rm_score`, and `win_rate` "
-                                        "when `baseline_model` is set.")
-    baseline_model: str | None = _f(None, "Model to compare against (the current champion): a folder, an s3:// "
-                                          "prefix, or models:/NAME@champion from the MLflow registry. It answers "
-                                          "the same prompts with the same sampling; needs `reward_model`.")
-    reference_model: str | None = _f(None, "Starting model (e.g. the SFT checkpoint) for `kl`, the mean per-token "
-                                           "log π(y) − log π_ref(y) on the evaluated model's completions. It must "
-                                           "share the model's tokenizer.")
-    max_prompt_length: int = _f(512, "Prompts longer than this many tokens keep their END (left truncation).")
-    max_completion_length: int = _f(256, "Most tokens generated per completion.")
-    temperature: float = _f(0.0, "Sampling temperature; 0 = greedy (deterministic).")
-    top_p: float = _f(1.0, "Nucleus sampling probability mass (temperature > 0 only).")
-    batch_size: int = _f(8, "Prompts per generate call, and sequences per forward pass when scoring.")
-    seed: int = _f(42, "Seed of the sampling stream (the model and the baseline get the same one).")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
+    model: str = option("", "Model to evaluate: a checkpoint folder, an s3:// prefix or a hub id.")
+    dataset: str = option("", "Held-out prompts: a file/folder/s3:// prefix/hub id (as for training) with a `prompt` "
+                              "column (text or chat messages) and any columns the reward functions read, e.g. `answer`.")
+    dataset_split: str = option("test", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
+    max_samples: int | None = option(None, "Evaluate the first this many prompts only (default: all).")
+    reward_funcs: list[str] = option([], "Reward functions: built-ins (exact_answer, answer_format, regex:<pattern>, "
+                                         "length:<N>), import paths `pkg.module:fn` with TRL's signature, or reward-model "
+                                         "checkpoints. `reward` is their weighted sum (none: no `reward` metric).")
+    reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
+    reward_model: str | None = option(None, "Reward-model checkpoint used as the judge: gives `rm_score`, and `win_rate` "
+                                            "when `baseline_model` is set.")
+    baseline_model: str | None = option(None, "Model to compare against (the current champion): a folder, an s3:// "
+                                              "prefix, or models:/NAME@champion from the MLflow registry. It answers "
+                                              "the same prompts with the same sampling; needs `reward_model`.")
+    reference_model: str | None = option(None, "Starting model (e.g. the SFT checkpoint) for `kl`, the mean per-token "
+                                               "log π(y) − log π_ref(y) on the evaluated model's completions. It must "
+                                               "share the model's tokenizer.")
+    max_prompt_length: int = option(512, "Prompts longer than this many tokens keep their END (left truncation).")
+    max_completion_length: int = option(256, "Most tokens generated per completion.")
+    temperature: float = option(0.0, "Sampling temperature; 0 = greedy (deterministic).")
+    top_p: float = option(1.0, "Nucleus sampling probability mass (temperature > 0 only).")
+    batch_size: int = option(8, "Prompts per generate call, and sequences per forward pass when scoring.")
+    seed: int = option(42, "Seed of the sampling stream (the model and the baseline get the same one).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
         "float32", "Parameter dtype of every model loaded (policy, baseline, reference, judge).")
     trust_remote_code: bool = _as_in_train_config("trust_remote_code")
-    output_dir: str = _f("outputs/eval", "Where metrics.json and samples.jsonl go: a local folder or s3:// prefix.")
+    output_dir: str = option("outputs/eval", "Where metrics.json and samples.jsonl go: a local folder or s3:// prefix.")
     mlflow_tracking_uri: str | None = _as_in_train_config("mlflow_tracking_uri")
     mlflow_experiment: str = _as_in_train_config("mlflow_experiment")
     mlflow_run_name: str | None = _as_in_train_config("mlflow_run_name")

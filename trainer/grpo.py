@@ -14,7 +14,7 @@ One generation cycle:
 Formulas live in `trainer/losses.py` (Shao et al. 2024 for GRPO, Yu et al. 2025 for DAPO's
 token-level loss and epsilon_high, Liu et al. 2025 for Dr. GRPO). Departures from TRL: the
 LM head runs only at completion positions; each group's prompt goes through the model once
-per micro-batch, not once per completion (`share_prompt`, `trainer.logprobs.share_prompts`);
+per micro-batch, not once per completion (`share_prompt`, `trainer.attention.share_prompts`);
 and the rollout engine's log-probs feed a truncated importance-sampling correction for the
 engine/trainer mismatch (Yao et al. 2025) by default.
 
@@ -32,32 +32,32 @@ computes exactly what it did before it could run on several (trainer/distributed
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import DataError, describe_datasets, is_conversational, load_rows, render_chat
-from trainer.logprobs import (
-    SHARED_ATTENTION,
-    entropy,
-    register_shared_attention,
-    selective_log_softmax,
-    share_prompts,
-    target_logits,
-    to_padded,
+from trainer.completions import (
+    RolloutBatch,
+    batched_logps,
+    build_batch,
+    prompt_token_ids,
+    token_logps,
+    use_block_attention,
 )
-from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, keep_freed_memory, set_seed
-from trainer.losses import combine_rewards, group_advantages, policy_loss, rollout_is_weights
+from trainer.config import ConfigError, TrainConfig, option
+from trainer.data import DataError, describe_datasets, is_conversational, load_rows
+from trainer.logprobs import TargetLM
+from trainer.loop import MetricWindow, keep_freed_memory
+from trainer.losses import combine_rewards, group_advantages, nanstd, policy_loss, rollout_is_weights
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name, score_completions
 from trainer.rollout import SamplingConfig, make_engine
-from trainer.storage import fetch_to_local, is_remote
+from trainer.runner import StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -66,48 +66,48 @@ log = logging.getLogger(__name__)
 class GRPOConfig(TrainConfig):
     """Group relative policy optimisation with rule, Python or reward-model rewards."""
 
-    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
-    per_device_batch_size: int = _f(8, "Completions per forward/backward pass (as TRL counts it).")
-    max_steps: int = _f(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
-    logging_steps: int = _f(1, "Log metrics every this many steps.")
-    reward_funcs: list[str] = _f(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
-                                 "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
-                                 "signature, or reward-model checkpoints.")
-    reward_weights: list[float] = _f([], "One weight per reward function (default: all 1.0).")
-    num_generations: int = _f(8, "Completions per prompt (G); advantages are normalised within each group.")
-    max_prompt_length: int = _f(512, "Prompts longer than this many tokens keep their END (left truncation).")
-    max_completion_length: int = _f(256, "Most tokens generated per completion.")
-    temperature: float = _f(1.0, "Sampling temperature.")
-    top_p: float = _f(1.0, "Nucleus sampling probability mass.")
-    top_k: int = _f(-1, "Sample from the top k tokens only (-1 = off).")
-    beta: float = _f(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
-                          "model, TRL's default). https://arxiv.org/abs/2402.03300")
-    epsilon: float = _f(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
-    epsilon_high: float | None = _f(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
-                                          "https://arxiv.org/abs/2503.14476")
-    num_iterations: int = _f(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+    learning_rate: float = option(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
+    per_device_batch_size: int = option(8, "Completions per forward/backward pass (as TRL counts it).")
+    max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
+    logging_steps: int = option(1, "Log metrics every this many steps.")
+    reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
+                                     "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
+                                     "signature, or reward-model checkpoints.")
+    reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
+    num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
+    max_prompt_length: int = option(512, "Longest prompt in tokens (see `truncation_mode`).")
+    max_completion_length: int = option(256, "Most tokens generated per completion.")
+    temperature: float = option(1.0, "Sampling temperature.")
+    top_p: float = option(1.0, "Nucleus sampling probability mass.")
+    top_k: int = option(-1, "Sample from the top k tokens only (-1 = off).")
+    beta: float = option(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
+                              "model, TRL's default). https://arxiv.org/abs/2402.03300")
+    epsilon: float = option(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
+    epsilon_high: float | None = option(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
+                                              "https://arxiv.org/abs/2503.14476")
+    num_iterations: int = option(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = option(
         "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
                 "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
-    scale_rewards: Literal["group", "batch", "none"] = _f(
+    scale_rewards: Literal["group", "batch", "none"] = option(
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
-    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
-    rollout_engine: Literal["hf", "vllm", "vllm-server"] = _f(
+    mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = option(
         "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: a vLLM server child process.")
-    vllm_gpu_memory_utilization: float = _f(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
-    vllm_server_devices: str | None = _f(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
-    importance_sampling_correction: bool = _f(True, "Weight the loss by the truncated ratio of trainer to "
-                                                     "rollout-engine probabilities (engine log-probs kept).")
-    importance_sampling_cap: float = _f(3.0, "Cap of that importance ratio (token level).")
-    bf16: bool = _f(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
-                           "gradients and optimizer states stay in `dtype` (TRL's `bf16`); vLLM rollouts then run "
-                           "in bfloat16 too. `accelerate launch --mixed_precision bf16` turns it on as well.")
-    share_prompt: bool = _f(True, "Run each group's prompt through the model once per micro-batch instead of "
-                                  "once per completion (completions see it through a block attention mask; "
-                                  "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
-                                  "attention; off for rows > 4096 tokens.")
-    log_completions_steps: int = _f(10, "Log a table of sample prompts, completions and rewards every this many steps.")
-    num_completions_to_log: int = _f(8, "Rows in that table.")
+    vllm_gpu_memory_utilization: float = option(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
+    vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
+    importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
+                                                         "rollout-engine probabilities (engine log-probs kept).")
+    importance_sampling_cap: float = option(3.0, "Cap of that importance ratio (token level).")
+    share_prompt: bool = option(True, "Run each group's prompt through the model once per micro-batch instead of "
+                                      "once per completion (completions see it through a block attention mask; "
+                                      "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
+                                      "attention; off for rows > 4096 tokens.")
+    truncation_mode: Literal["keep_end", "keep_start", "drop"] = option(
+        "keep_end", "Prompts longer than `max_prompt_length`: keep their end (left truncation, TRL's behaviour), "
+                    "keep their start, or drop them. The count is logged.")
+    log_completions_steps: int = option(10, "Log a table of sample prompts, completions and rewards every this many steps.")
+    num_completions_to_log: int = option(8, "Rows in that table.")
 
     stage = "grpo"
 
@@ -128,6 +128,10 @@ class GRPOConfig(TrainConfig):
             raise ConfigError(f"`num_iterations` must be >= 1, got {self.num_iterations}.")
         if self.max_completion_length < 1 or self.max_prompt_length < 1:
             raise ConfigError("`max_completion_length` and `max_prompt_length` must be >= 1.")
+        if self.max_prompt_length + self.max_completion_length > self.max_length:
+            raise ConfigError(f"max_prompt_length + max_completion_length = "
+                              f"{self.max_prompt_length + self.max_completion_length} exceeds `max_length` "
+                              f"({self.max_length}), the longest sequence; raise max_length or shorten one of them.")
 
     @property
     def prompts_per_cycle(self) -> int:
@@ -135,120 +139,213 @@ class GRPOConfig(TrainConfig):
 
 
 # ----------------------------------------------------------------------------------------------
-# Prompts and rollouts
-
-
-def prompt_token_ids(prompt, tokenizer, max_prompt_length: int) -> list[int]:
-    """Tokenize a text or chat prompt and keep its last `max_prompt_length` tokens (left truncation)."""
-    if is_conversational(prompt):
-        text = render_chat(tokenizer, prompt, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    return ids[-max_prompt_length:]
+# Prompts, rewards and one cycle's trajectory
 
 
 @dataclass
-class RolloutBatch:
-    """One cycle's completions, grouped: rows g*G .. g*G+G-1 share prompt g."""
+class PromptSet:
+    """A prompt dataset: the rows (their other columns feed the reward functions) and token ids."""
 
-    input_ids: torch.Tensor  # [N, P+C] prompt left-padded, completion right-padded
-    attention_mask: torch.Tensor  # [N, P+C]
-    completion_mask: torch.Tensor  # [N, P+C] 1 on completion tokens up to and including eos
-    rollout_logps: torch.Tensor  # [N, P+C] engine log-probs at completion tokens (0 elsewhere)
-    completion_lengths: torch.Tensor  # [N]
-    truncated: torch.Tensor  # [N] bool, hit max_completion_length without eos
-    prompt_width: int  # P: columns [0, P) hold the prompt
+    rows: Any  # datasets.Dataset
+    token_ids: list[list[int]]  # [num_prompts] truncated per `truncation_mode`
 
-    def to(self, device) -> RolloutBatch:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return RolloutBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+    @property
+    def columns(self) -> list[str]:
+        return [c for c in self.rows.column_names if c != "prompt"]
 
 
-def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> RolloutBatch:
-    rows = [(p, c) for p, group in zip(prompt_ids, completions) for c in group]
-    p_width = max(len(p) for p, _ in rows)
-    c_width = max(max(len(c.token_ids) for _, c in rows), 1)
-    n = len(rows)
-    input_ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros_like(input_ids)
-    rollout_logps = torch.zeros(input_ids.shape)
-    lengths = torch.zeros(n, dtype=torch.long)
-    truncated = torch.zeros(n, dtype=torch.bool)
-    for i, (p, c) in enumerate(rows):
-        start = p_width - len(p)
-        input_ids[i, start:p_width] = torch.tensor(p)
-        attention[i, start:p_width] = 1
-        k = len(c.token_ids)
-        if k:
-            input_ids[i, p_width:p_width + k] = torch.tensor(c.token_ids)
-            attention[i, p_width:p_width + k] = 1
-            completion_mask[i, p_width:p_width + k] = 1
-            rollout_logps[i, p_width:p_width + k] = torch.tensor(c.logprobs, dtype=torch.float)
-        lengths[i] = k
-        truncated[i] = c.finish_reason == "length"
-    return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated, p_width)
-
-
-def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = False, group_size: int = 0):
-    """Per-token log-probs of the completion tokens of `batch.input_ids[rows]` as [n, T] (zeros
-    elsewhere), and their mean entropy.
-
-    With `group_size` G, groups of G rows that share a prompt run it once (`share_prompts`).
-    `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
-    forward, which is where it hooks the gradient all-reduce (trainer/distributed.py).
-    """
-    input_ids, attention_mask = batch.input_ids[rows], batch.attention_mask[rows]
-    completion_mask = batch.completion_mask[rows]
-    logits_of = distributed.wrapped_target_logits if distributed.is_wrapped(model) else target_logits
-    P, C = batch.prompt_width, input_ids.shape[1] - batch.prompt_width
-    shared = None
-    if group_size and _can_share_prompts(model, row_length=P + group_size * C):
-        shared = share_prompts(input_ids, attention_mask, completion_mask, P, group_size, _model_dtype(model))
-    if shared is not None:
-        out = logits_of(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
-                        shared.sources, shared.model_kwargs)
-        out_rows, out_cols = shared.unshare(out.rows, out.cols)
+def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig) -> PromptSet:
+    """Prompt rows (a `prompt` column, text or chat) tokenized and cut to `max_prompt_length`."""
+    rows = load_rows(spec, split)
+    if "prompt" not in rows.column_names:
+        raise DataError(f"Dataset {spec!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` column "
+                        "(text or chat messages) plus any columns the reward functions read.")
+    ids = [prompt_token_ids(p, tokenizer) for p in rows["prompt"]]
+    limit, long = config.max_prompt_length, [i for i, x in enumerate(ids) if len(x) > config.max_prompt_length]
+    if long and config.truncation_mode == "drop":
+        keep = sorted(set(range(len(ids))) - set(long))
+        rows, ids = rows.select(keep), [ids[i] for i in keep]
     else:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
-        out = logits_of(model, input_ids, completion_mask, attention_mask, position_ids)
-        out_rows, out_cols = out.rows, out.cols
-    logps = to_padded(selective_log_softmax(out.logits, out.targets), out_rows, out_cols, input_ids.shape)
-    ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
-    return logps, ent
+        ids = [x[-limit:] if config.truncation_mode == "keep_end" else x[:limit] for x in ids]
+    if long:
+        log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d (%s).", spec, len(long),
+                    len(rows) + (len(long) if config.truncation_mode == "drop" else 0), limit,
+                    {"keep_end": "their start was cut", "keep_start": "their end was cut", "drop": "dropped"}[
+                        config.truncation_mode])
+    if not ids:
+        raise DataError(f"Dataset {spec!r} has no prompts left; lower `max_prompt_length` cuts or use another "
+                        "`truncation_mode`.")
+    return PromptSet(rows, ids)
 
 
-# Longest shared-prompt row: its [T, T] attention mask and the attention over it grow with T^2.
-MAX_SHARED_ROW = 4096
+@dataclass
+class RewardSet:
+    """The reward functions, their names (for metrics) and weights."""
+
+    funcs: list
+    names: list[str]
+    weights: torch.Tensor  # [F]
+
+    def score(self, prompts: list, texts: list[str], rows, picked: list[int], group: int) -> torch.Tensor:
+        """Rewards of every function, [N, F] (NaN where a function returned None); TRL's calling convention."""
+        conversational = is_conversational(prompts[0])
+        completions = [[{"role": "assistant", "content": x}] for x in texts] if conversational else texts
+        columns = {c: [rows[i][c] for i in picked for _ in range(group)] for c in rows.column_names if c != "prompt"}
+        return score_completions(self.funcs, prompts, completions, columns)
 
 
-def _attention(model) -> str:
-    from accelerate.utils import extract_model_from_parallel
+@dataclass
+class Trajectory:
+    """One generation cycle on this rank: completions, rewards, advantages, and the log-probs the update needs."""
 
-    return getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
-
-
-def _can_share_prompts(model, row_length: int) -> bool:
-    """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa, ours)."""
-    return _attention(model) in ("sdpa", "eager", SHARED_ATTENTION) and row_length <= MAX_SHARED_ROW
-
-
-def _use_block_attention(model) -> None:
-    """Swap sdpa for `shared_prompt_attention` (plain sdpa for anything but shared-prompt rows)."""
-    if model is not None and _attention(model) == "sdpa":
-        model.set_attn_implementation(register_shared_attention())
-
-
-def _model_dtype(model) -> torch.dtype:
-    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+    batch: RolloutBatch  # [N, P+C] with N = prompts x G, on the training device
+    prompts: list  # [N] the prompt of each completion (text or chat)
+    texts: list[str]  # [N] decoded completions
+    per_func: torch.Tensor  # [N, F]
+    rewards: torch.Tensor  # [N] weighted sum
+    advantages: torch.Tensor  # [N] normalised within groups over the whole cycle (all ranks)
+    reward_stats: dict[str, torch.Tensor]  # reward, reward_std, frac_reward_zero_std of the whole cycle
+    loss_mask: torch.Tensor  # [N, P+C]
+    old_logps: torch.Tensor | None  # [N, P+C] before the update (num_iterations > 1)
+    ref_logps: torch.Tensor | None  # [N, P+C] under the reference (beta > 0)
+    timings: dict[str, float]
 
 
-@torch.no_grad()
-def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0) -> torch.Tensor:
-    parts = [token_logps(model, batch, slice(i, i + size), group_size=group_size)[0]
-             for i in range(0, len(batch.input_ids), size)]
-    return torch.cat(parts)
+def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer, sampling: SamplingConfig,
+            cycle: int, ref_model) -> Trajectory:
+    """Generate G completions for this rank's prompts of `cycle`, score them, compute advantages over
+    the whole cycle (groups whole on their rank, rewards gathered), and the old and reference log-probs."""
+    config, G = run.config, run.config.num_generations
+    timings, t = {}, time.perf_counter()
+    picked = distributed.rank_prompts(len(data.token_ids), config.prompts_per_cycle, run.rank, run.world,
+                                      config.seed, cycle)
+    # Seeded by cycle and keyed by dataset index: a prompt's completions do not depend on its rank.
+    call = dataclasses.replace(sampling, seed=config.seed + cycle, prompt_keys=picked)
+    completions = engine.generate([data.token_ids[i] for i in picked], call)
+    batch = build_batch([data.token_ids[i] for i in picked], completions, tokenizer.pad_token_id).to(run.device)
+    run.report.add_cycle(cycle, picked, [len(group) for group in completions])
+    timings["timing/generate"], t = time.perf_counter() - t, time.perf_counter()
+
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
+    prompts = [data.rows[i]["prompt"] for i in picked for _ in range(G)]
+    per_func = rewards.score(prompts, texts, data.rows, picked, G)  # [N, F]
+    combined = combine_rewards(per_func, rewards.weights)  # [N]
+    everyone = run.accelerator.gather(combined.to(run.device)).cpu()  # [world*N], rank order
+    advantages, stats = group_advantages(everyone, G, config.scale_rewards)
+    mine = advantages[run.rank * len(combined):(run.rank + 1) * len(combined)].to(run.device)  # [N]
+    timings["timing/score"], t = time.perf_counter() - t, time.perf_counter()
+
+    loss_mask = batch.completion_mask.clone()
+    if config.mask_truncated_completions:
+        loss_mask[batch.truncated] = 0
+    size, shared = config.per_device_batch_size, _shared_group(config)
+    with run.accelerator.autocast():
+        old = batched_logps(run.model, batch, size, shared) if config.num_iterations > 1 else None
+        ref = None
+        if config.beta > 0 and ref_model is not None:
+            ref = batched_logps(ref_model, batch, size, shared)
+        elif config.beta > 0:
+            with run.module.disable_adapter():  # LoRA: the base model is the reference
+                ref = batched_logps(run.model, batch, size, shared)
+    timings["timing/reference"] = time.perf_counter() - t
+    return Trajectory(batch, prompts, texts, per_func, combined, mine, stats, loss_mask, old, ref, timings)
+
+
+def _shared_group(config: GRPOConfig) -> int:
+    """G when micro-batches hold whole groups whose prompt can run once (`share_prompt`), else 0."""
+    G = config.num_generations
+    return G if config.share_prompt and config.per_device_batch_size % G == 0 else 0
+
+
+def update(run: StageRunner, traj: Trajectory) -> dict[str, float]:
+    """`num_iterations` optimizer steps over the trajectory's completions; returns this rank's means."""
+    config, batch, size = run.config, traj.batch, run.config.per_device_batch_size
+    # dapo divides by the active tokens of the whole cycle on all ranks; by world / world of them
+    # here, because DDP / DeepSpeed average the ranks' gradients (TRL does the same).
+    cycle_tokens = run.sum_over_ranks({"n": float(traj.loss_mask.sum())})["n"] / run.world
+    starts = range(0, len(batch.input_ids), size)
+    correct_engine = config.importance_sampling_correction and config.rollout_engine != "hf"
+    window = MetricWindow()
+    for _ in range(config.num_iterations):
+        step_stats, step_loss = MetricWindow(), 0.0
+        for i, start in enumerate(starts):
+            rows = slice(start, start + size)
+            with run.micro_batch(last=i == len(starts) - 1):
+                logps, ent = token_logps(run.model, batch, rows, with_entropy=True, group_size=_shared_group(config))
+                mask, old = traj.loss_mask[rows], traj.old_logps[rows] if traj.old_logps is not None else None
+                is_weights, is_stats = None, {}
+                if correct_engine:
+                    is_weights, is_stats = rollout_is_weights(old if old is not None else logps.detach(),
+                                                              batch.rollout_logps[rows], mask, mode="token_truncate",
+                                                              clip_max=config.importance_sampling_cap)
+                loss, stats = policy_loss(
+                    logps, old, traj.advantages[rows], mask, loss_type=config.loss_type, epsilon=config.epsilon,
+                    epsilon_high=config.epsilon_high, ref_logps=traj.ref_logps[rows] if traj.ref_logps is not None
+                    else None, beta=config.beta, max_completion_length=config.max_completion_length,
+                    num_items_in_batch=cycle_tokens, is_weights=is_weights)
+                # dapo already divides by the whole cycle's tokens; the others average micro-batches.
+                contribution = loss if config.loss_type == "dapo" else loss / len(starts)
+                run.backward(contribution)
+            step_loss += float(contribution.detach())
+            step_stats.add({**({"entropy": ent} if ent is not None else {}),
+                            **{k: float(v) for k, v in {**stats, **is_stats}.items() if v.ndim == 0}})
+        grad_norm = run.optimizer_step()
+        run.state.global_step += 1
+        window.add({**step_stats.pop(), "loss": step_loss, "grad_norm": grad_norm})
+    return window.pop()
+
+
+def cycle_metrics(run: StageRunner, traj: Trajectory, names: list[str]) -> dict[str, float]:
+    """The cycle's reward and completion statistics over all ranks (TRL's names)."""
+    gather = run.accelerator.gather
+    per_func = gather(traj.per_func.to(run.device)).cpu()  # [world*N, F]
+    lengths = gather(traj.batch.completion_lengths).float().cpu()  # [world*N]
+    truncated = gather(traj.batch.truncated.float()).cpu()  # [world*N]
+    stats = traj.reward_stats
+    return {
+        "reward": float(stats["reward"]), "reward_std": float(stats["reward_std"]),
+        "frac_reward_zero_std": float(stats["frac_reward_zero_std"]),
+        **{f"rewards/{n}/mean": float(torch.nanmean(per_func[:, j])) for j, n in enumerate(names)},
+        **{f"rewards/{n}/std": float(nanstd(per_func[:, j]).nan_to_num()) for j, n in enumerate(names)},
+        "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
+    }
+
+
+def log_completions(run: StageRunner, traj: Trajectory, step: int) -> None:
+    k = min(run.config.num_completions_to_log, len(traj.texts))
+    run.tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in traj.prompts[:k]],
+                           "completion": traj.texts[:k], "reward": traj.rewards[:k].tolist()},
+                          f"completions/step_{step:06d}.json")
+
+
+def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer,
+             sampling: SamplingConfig) -> dict[str, float]:
+    """Mean rewards of G sampled completions per held-out prompt (TRL's eval_reward); each rank its share."""
+    per_func, G = [], sampling.n
+    for part in run.rank_slice(len(data.token_ids), max(1, run.config.prompts_per_cycle)):
+        picked = list(part) or [0]  # an empty share still generates (collectives and ZeRO-3 stay in step)
+        call = dataclasses.replace(sampling, seed=run.config.seed, prompt_keys=picked)  # the same draws every eval
+        completions = engine.generate([data.token_ids[i] for i in picked], call)
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
+        scores = rewards.score([data.rows[i]["prompt"] for i in picked for _ in range(G)], texts, data.rows, picked, G)
+        per_func.append(scores if len(part) else scores[:0])
+    mine = torch.cat(per_func)  # [n, F]
+    sums = run.sum_over_ranks({"n": float(len(mine)),
+                               "eval_reward": float(torch.nansum(combine_rewards(mine, rewards.weights))),
+                               **{f"eval_rewards/{n}/mean": float(torch.nansum(mine[:, j]))
+                                  for j, n in enumerate(rewards.names)}})
+    count = max(sums.pop("n"), 1.0)
+    return {k: v / count for k, v in sums.items()}
+
+
+def push_weights(run: StageRunner, engine) -> None:
+    """The new weights to the rollout engine (the hf engine generates with the training model itself)."""
+    if run.config.rollout_engine == "hf":
+        return
+    with run.gathered():
+        model = copy.deepcopy(run.module).merge_and_unload() if run.config.lora_r else run.module
+        engine.sync_weights(model.state_dict().items())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,42 +355,33 @@ def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0) ->
 def run_grpo(config: GRPOConfig) -> str:
     """Train with GRPO; returns `config.output_dir` (holding the final model).
 
-    Under `accelerate launch` every process runs this function as one rank.
+    Under `accelerate launch` (or `alignflow train grpo --num_processes N`) every process runs it as one rank.
     """
-    accelerator = distributed.make_accelerator(config.bf16)
+    run = StageRunner("grpo", config)
     keep_freed_memory()
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    set_seed(config.seed)
-    started = time.perf_counter()
 
     # 1. Prompts and reward functions, validated before any model is loaded.
     model_path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(model_path, config.trust_remote_code)
-    rows = load_rows(config.dataset, config.dataset_split)
-    if "prompt" not in rows.column_names:
-        raise DataError(f"Dataset {config.dataset!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` "
-                        "column (text or chat messages) plus any columns the reward functions read.")
+    if config.eval_split_ratio:
+        raise ConfigError("GRPO evaluates on held-out prompts from `eval_dataset`; `eval_split_ratio` is not "
+                          "supported for GRPO: pass --eval_dataset PATH instead.")
+    data = load_prompts(config.dataset, config.dataset_split, tokenizer, config)
+    eval_data = load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config) if config.eval_dataset \
+        else None
     funcs = [load_reward_function(spec) for spec in config.reward_funcs]
-    names = [reward_name(f) for f in funcs]
-    weights = torch.tensor(config.reward_weights or [1.0] * len(funcs))
-    prompts_all = rows["prompt"]
-    extra_columns = [c for c in rows.column_names if c != "prompt"]
-    encoded = [prompt_token_ids(p, tokenizer, config.max_prompt_length) for p in prompts_all]
-    prompts_per_step = config.prompts_per_cycle * world  # all ranks together
-    _check_ranks(config, world, len(rows), distributed.zero_stage(accelerator) >= 0)
+    rewards = RewardSet(funcs, [reward_name(f) for f in funcs],
+                        torch.tensor(config.reward_weights or [1.0] * len(funcs)))
+    check_ranks(config, run.world, len(data.token_ids))
     num_cycles = (config.max_steps if config.max_steps > 0 else
-                  int(config.num_epochs * len(rows) / prompts_per_step)) // config.num_iterations
-    steps = max(1, num_cycles) * config.num_iterations
+                  int(config.num_epochs * len(data.token_ids) / (config.prompts_per_cycle * run.world)))
+    steps = max(1, num_cycles // config.num_iterations) * config.num_iterations
     log.info("GRPO: %d prompts, %d per cycle x G=%d on each of %d ranks, %d optimizer steps, %s rollouts, "
-             "rewards %s.", len(rows), config.prompts_per_cycle, config.num_generations, world, steps,
-             config.rollout_engine, names)
+             "rewards %s.", len(data.token_ids), config.prompts_per_cycle, config.num_generations, run.world, steps,
+             config.rollout_engine, rewards.names)
 
-    # 2. Policy, reference, optimizer; restored when resuming. `policy` is the model as accelerate
-    #    prepared it (DDP or DeepSpeed with several ranks; the model itself with one): training
-    #    forwards go through it. `model` is the plain module, for generation and saving.
-    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
-    if resume and is_remote(resume):
-        resume = fetch_to_local(resume)
+    # 2. Policy and reference; optimizer and state through the runner.
+    resume = run.resume_checkpoint()
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:
@@ -303,212 +391,58 @@ def run_grpo(config: GRPOConfig) -> str:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
     if config.share_prompt:
         for m in (model, ref_model):
-            _use_block_attention(m)
-    distributed.seed_rank(config.seed, rank)
+            use_block_attention(m)
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config, steps)
-    distributed.fill_deepspeed_config(accelerator, config.per_device_batch_size, config.gradient_accumulation_steps,
-                                      config.max_grad_norm)
-    policy, optimizer = accelerator.prepare(model, optimizer)
-    ref_model = distributed.prepare_reference(accelerator, ref_model)
-    device = accelerator.device
-    state = ckpt.TrainState()
-    if resume:
-        state = ckpt.load_training_state(resume, distributed.checkpoint_optimizer(accelerator, optimizer), scheduler)
-        distributed.load_engine_state(accelerator, policy, resume)
-        distributed.restore_rank_rng(accelerator, state.extra.get("rank_rng"))
-    tracker = distributed.rank_tracker(accelerator, config, "grpo", state.mlflow_run_id)
-    if resume:
-        tracker.history[:] = ckpt.read_history(resume)
-    state.mlflow_run_id = tracker.run_id
-    datasets_info = describe_datasets(config, rows, None, {})
+    run.tokenizer = tokenizer
+    run.report = distributed.RankReport(run.accelerator)
+    with run.failing():
+        run.prepare(model, steps, describe_datasets(config, data.rows, eval_data.rows if eval_data else None, {}),
+                    wrap=TargetLM)
+        if ref_model is not None:
+            ref_model = distributed.prepare_reference(run.accelerator, TargetLM(ref_model))
+        engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
+                             max_model_len=config.max_prompt_length + config.max_completion_length,
+                             dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
+                             seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                             server_devices=config.vllm_server_devices,
+                             synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
+        sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                                  top_p=config.top_p, top_k=config.top_k, n=config.num_generations,
+                                  stop_token_ids=[tokenizer.eos_token_id])
+        try:
+            # 3. The loop: generate -> score -> advantages -> update -> sync, each phase timed.
+            while run.state.global_step < steps:
+                cycle, started = run.state.global_step // config.num_iterations, time.perf_counter()
+                traj = rollout(run, engine, data, rewards, tokenizer, sampling, cycle, ref_model)
+                t = time.perf_counter()
+                update_stats = update(run, traj)
+                traj.timings["timing/update"], t = time.perf_counter() - t, time.perf_counter()
+                push_weights(run, engine)
+                traj.timings["timing/sync"] = time.perf_counter() - t
+                run.state.num_tokens += int(run.sum_over_ranks({"n": float(traj.batch.attention_mask.sum())})["n"])
+                step = run.state.global_step
+                metrics = {**update_stats, **cycle_metrics(run, traj, rewards.names), **traj.timings,
+                           "step_time": time.perf_counter() - started}
+                run.log_step(step, metrics, span=config.num_iterations, rank_means=True,
+                             evaluate=(lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling))
+                             if eval_data else None)
+                if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
+                    log_completions(run, traj, step)
+                run.maybe_save(step, span=config.num_iterations)
 
-    engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
-                         max_model_len=config.max_prompt_length + config.max_completion_length,
-                         dtype="bfloat16" if accelerator.mixed_precision == "bf16" else config.dtype,
-                         seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                         server_devices=config.vllm_server_devices)
-    sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                              top_p=config.top_p, top_k=config.top_k, n=config.num_generations,
-                              stop_token_ids=[tokenizer.eos_token_id])
-    pad_id = tokenizer.pad_token_id
-    G, size = config.num_generations, config.per_device_batch_size
-    shared_group = G if config.share_prompt and size % G == 0 else 0  # micro-batches of whole groups
-    window = MetricWindow()
-    last_metrics: dict[str, float] = {}
-    report = distributed.RankReport(accelerator)
-
-    def manifest(metrics: dict[str, float]) -> dict:
-        return ckpt.build_manifest("grpo", config, config.model, datasets_info, metrics, state.global_step)
-
-    def push_weights() -> None:
-        if config.rollout_engine == "hf":
-            return  # the hf engine generates with the training model itself
-        with distributed.full_params(accelerator, policy):
-            if config.lora_r:
-                merged = copy.deepcopy(model).merge_and_unload()
-                engine.sync_weights(merged.state_dict().items())
-            else:
-                engine.sync_weights(model.state_dict().items())
-
-    def save_step_checkpoint(step: int) -> None:
-        # Every rank takes part (DeepSpeed shards, RNG states, ZeRO-3 gathers); rank 0 writes the rest.
-        distributed.save_engine_state(accelerator, policy, ckpt.step_dir(config.output_dir, step))
-        if (rank_rng := distributed.rank_rng_states(accelerator)) is not None:
-            state.extra["rank_rng"] = rank_rng
-        with distributed.full_params(accelerator, policy):
-            if main:
-                ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, model=model,
-                                          tokenizer=tokenizer, manifest=manifest(last_metrics),
-                                          history=tracker.history, state=state,
-                                          optimizer=distributed.checkpoint_optimizer(accelerator, optimizer),
-                                          scheduler=scheduler, merge_lora=config.lora_merge_on_save)
-        accelerator.wait_for_everyone()
-
-    progress = Progress(steps, state.global_step, "grpo", config.disable_progress_bar or not main)
-    try:
-        while state.global_step < steps:
-            cycle = state.global_step // config.num_iterations
-            timings: dict[str, float] = {}
-            t0 = time.perf_counter()
-
-            # generate: this rank's own prompts, all G completions of each (groups stay whole here)
-            picked = distributed.rank_prompts(len(rows), config.prompts_per_cycle, rank, world, config.seed, cycle)
-            sampling.seed = distributed.rollout_seed(config.seed + cycle, rank, world)
-            completions = engine.generate([encoded[i] for i in picked], sampling)
-            batch = build_batch([encoded[i] for i in picked], completions, pad_id).to(device)
-            report.add_cycle(cycle, picked, [len(group) for group in completions])
-            timings["timing/generate"] = time.perf_counter() - t0
-
-            # score; advantages over the whole cycle: every rank's groups, each whole, in rank order
-            t = time.perf_counter()
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
-            prompts = [prompts_all[i] for i in picked for _ in range(G)]
-            shaped = ([[{"role": "assistant", "content": x}] for x in texts]
-                      if is_conversational(prompts[0]) else texts)
-            columns = {c: [rows[i][c] for i in picked for _ in range(G)] for c in extra_columns}
-            per_func = score_completions(funcs, prompts, shaped, columns)  # [N, F]
-            rewards = combine_rewards(per_func, weights)  # [N]
-            all_rewards = accelerator.gather(rewards.to(device)).cpu()  # [world*N]
-            all_advantages, adv_stats = group_advantages(all_rewards, G, config.scale_rewards)  # [world*N]
-            mine = slice(rank * len(rewards), (rank + 1) * len(rewards))
-            advantages = all_advantages[mine].to(device)  # [N]
-            timings["timing/score"] = time.perf_counter() - t
-
-            # reference and old log-probs
-            t = time.perf_counter()
-            loss_mask = batch.completion_mask.clone()
-            if config.mask_truncated_completions:
-                loss_mask[batch.truncated] = 0
-            with accelerator.autocast():
-                old_logps = batched_logps(policy, batch, size, shared_group) if config.num_iterations > 1 else None
-                ref_logps = None
-                if config.beta > 0:
-                    if ref_model is not None:
-                        ref_logps = batched_logps(ref_model, batch, size, shared_group)
-                    else:
-                        with model.disable_adapter():
-                            ref_logps = batched_logps(policy, batch, size, shared_group)
-            timings["timing/reference"] = time.perf_counter() - t
-
-            # update: num_iterations optimizer steps over the cycle
-            t = time.perf_counter()
-            # dapo divides by the active tokens of the whole cycle on all ranks; by world / world of
-            # them here, because DDP / DeepSpeed average the ranks' gradients (TRL does the same).
-            cycle_tokens = float(accelerator.reduce(loss_mask.sum(), "sum")) / world
-            micro_batches = range(0, len(batch.input_ids), size)
-            accum = len(micro_batches)
-            for _ in range(config.num_iterations):
-                step_stats, step_loss = MetricWindow(), 0.0
-                for i, start in enumerate(micro_batches):
-                    sl = slice(start, start + size)
-                    with distributed.micro_batch(accelerator, policy, last=i == accum - 1):
-                        with accelerator.autocast():
-                            logps, ent = token_logps(policy, batch, sl, with_entropy=True, group_size=shared_group)
-                        mask = loss_mask[sl]
-                        behaviour = old_logps[sl] if old_logps is not None else logps.detach()
-                        is_weights, is_stats = None, {}
-                        if config.importance_sampling_correction and config.rollout_engine != "hf":
-                            is_weights, is_stats = rollout_is_weights(behaviour, batch.rollout_logps[sl], mask,
-                                                                      mode="token_truncate",
-                                                                      clip_max=config.importance_sampling_cap)
-                        loss, stats = policy_loss(
-                            logps, old_logps[sl] if old_logps is not None else None, advantages[sl], mask,
-                            loss_type=config.loss_type, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-                            ref_logps=ref_logps[sl] if ref_logps is not None else None, beta=config.beta,
-                            max_completion_length=config.max_completion_length, num_items_in_batch=cycle_tokens,
-                            is_weights=is_weights)
-                        # dapo already divides by the whole cycle's tokens; the others average micro-batches.
-                        contribution = loss if config.loss_type == "dapo" else loss / accum
-                        distributed.backward(accelerator, contribution)
-                    step_loss += float(contribution.detach())
-                    step_stats.add({**({"entropy": ent} if ent is not None else {}),
-                                    **{k: float(v) for k, v in {**stats, **is_stats}.items() if v.ndim == 0}})
-                grad_norm = distributed.clip_and_step(accelerator, policy, optimizer, scheduler, config.max_grad_norm)
-                state.global_step += 1
-                window.add({**step_stats.pop(), "loss": step_loss, "grad_norm": grad_norm})
-            timings["timing/update"] = time.perf_counter() - t
-
-            # sync
-            t = time.perf_counter()
-            push_weights()
-            timings["timing/sync"] = time.perf_counter() - t
-            state.num_tokens += int(accelerator.reduce(batch.attention_mask.sum(), "sum"))
-
-            step = state.global_step
-            all_per_func = accelerator.gather(per_func.to(device)).cpu()  # [world*N, F]
-            lengths = accelerator.gather(batch.completion_lengths).float().cpu()  # [world*N]
-            truncated = accelerator.gather(batch.truncated.float()).cpu()  # [world*N]
-            window.add({
-                "reward": float(adv_stats["reward"]), "reward_std": float(adv_stats["reward_std"]),
-                "frac_reward_zero_std": float(adv_stats["frac_reward_zero_std"]),
-                **{f"rewards/{n}/mean": float(torch.nanmean(all_per_func[:, j])) for j, n in enumerate(names)},
-                **{f"rewards/{n}/std": float(_nanstd(all_per_func[:, j])) for j, n in enumerate(names)},
-                "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                "completions/max_length": float(lengths.max()),
-                "completions/clipped_ratio": float(truncated.mean()),
-                "step_time": time.perf_counter() - t0, **timings,
-            })
-            if step % config.logging_steps < config.num_iterations or step >= steps:
-                logged = {**distributed.mean_over_ranks(window.pop()), "learning_rate": scheduler.get_last_lr()[0],
-                          "num_tokens": float(state.num_tokens)}
-                tracker.log_metrics(logged, step)
-                last_metrics = logged
-                progress.update(step, logged)
-            else:
-                progress.update(step)
-            if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
-                k = min(config.num_completions_to_log, len(texts))
-                tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in prompts[:k]],
-                                   "completion": texts[:k], "reward": rewards[:k].tolist()},
-                                  f"completions/step_{step:06d}.json")
-            if config.save_steps and step % config.save_steps < config.num_iterations and step < steps:
-                save_step_checkpoint(step)
-        progress.close()
-        last_metrics["train_runtime"] = time.perf_counter() - started
-        with distributed.full_params(accelerator, policy):
-            if main:
-                ckpt.save_checkpoint(config.output_dir, model=model, tokenizer=tokenizer,
-                                     manifest=manifest(last_metrics), history=tracker.history,
-                                     merge_lora=config.lora_merge_on_save)
-            report.write(model)
-        accelerator.wait_for_everyone()
-        tracker.log_dict(manifest(last_metrics), ckpt.MANIFEST)
-        tracker.finish()
-    except BaseException:
-        progress.close()
-        tracker.finish("FAILED")
-        raise
-    finally:
-        engine.close()
-    log.info("GRPO done in %.1fs; model saved to %s", time.perf_counter() - started, config.output_dir)
-    return config.output_dir
+            # 4. Final evaluation and the model.
+            run.final_evaluation((lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling))
+                                 if eval_data else None)
+            with run.gathered():
+                run.report.write(model)
+            return run.finish()
+        finally:
+            engine.close()
 
 
-def _check_ranks(config: GRPOConfig, world: int, num_prompts: int, deepspeed: bool) -> None:
+def check_ranks(config: GRPOConfig, world: int, num_prompts: int) -> None:
     """What several ranks need that one does not; each error says what to change."""
     if world > 1 and num_prompts < config.prompts_per_cycle * world:
         raise ConfigError(f"{world} ranks x {config.prompts_per_cycle} prompts per cycle need at least "
@@ -517,11 +451,3 @@ def _check_ranks(config: GRPOConfig, world: int, num_prompts: int, deepspeed: bo
     if world > 1 and config.rollout_engine == "vllm":
         raise ConfigError("rollout_engine=vllm runs vLLM inside the training process, which supports one process "
                           "so far; with several ranks use vllm-server (a sidecar per rank) or hf.")
-    if deepspeed and config.save_steps and is_remote(config.output_dir):
-        raise ConfigError("Under DeepSpeed every rank writes its optimizer shard into each step checkpoint, which "
-                          "needs a local (shared) `output_dir`; use a local path or `save_steps 0`.")
-
-
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    valid = x[~torch.isnan(x)]
-    return valid.std() if valid.numel() > 1 else x.new_zeros(())

@@ -68,11 +68,12 @@ def build_scheduler(optimizer, config, total_steps: int):
                          num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
 
 
-def total_steps(config, num_examples: int) -> int:
-    """Optimizer steps for the run: `max_steps`, or `num_epochs` passes at the configured batch sizes."""
+def total_steps(config, num_examples: int, world_size: int = 1) -> int:
+    """Optimizer steps for the run: `max_steps`, or `num_epochs` passes at the configured batch
+    sizes (a micro-batch takes `per_device_batch_size` examples on each of `world_size` ranks)."""
     if config.max_steps > 0:
         return config.max_steps
-    batches_per_epoch = math.ceil(num_examples / config.per_device_batch_size)
+    batches_per_epoch = math.ceil(num_examples / (config.per_device_batch_size * world_size))
     return max(1, math.ceil(config.num_epochs * batches_per_epoch / config.gradient_accumulation_steps))
 
 
@@ -132,7 +133,7 @@ class Progress:
         self.total = total
 
     def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        self.bar.update(1)
+        self.bar.update(step - self.bar.n)
         if metrics:
             shown = {k: f"{v:.4g}" for k, v in metrics.items() if k in ("loss", "reward", "eval_loss", "accuracy")}
             self.bar.set_postfix(shown, refresh=False)

@@ -69,7 +69,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     return whitened * mask
 
 
-def _nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     """Standard deviation ignoring NaNs, with Bessel's correction; NaN where fewer than 2 values.
 
     Same definition as `trl.trainer.utils.nanstd` (torch has no nanstd).
@@ -302,11 +302,11 @@ def group_advantages(
     if scale_rewards in ("group", "none"):
         # For "none" the std is only used to count zero-variance groups.
         if num_generations > 1:
-            std = _nanstd(grouped, dim=1, keepdim=True)  # [B, 1]
+            std = nanstd(grouped, dim=1, keepdim=True)  # [B, 1]
         else:
             std = torch.zeros_like(mean)
     elif scale_rewards == "batch":
-        std = _nanstd(rewards) if rewards.numel() > 1 else rewards.new_zeros(())
+        std = nanstd(rewards) if rewards.numel() > 1 else rewards.new_zeros(())
         std = std.expand_as(mean)  # [B, 1]
     else:
         raise ValueError(f"Unknown scale_rewards '{scale_rewards}'; expected one of {ScaleRewards.__args__}.")
@@ -319,7 +319,7 @@ def group_advantages(
     is_std_zero = torch.isclose(std, torch.zeros_like(std))  # [B, 1]; NaN std (one scored sample) -> False
     stats = {
         "reward": torch.nanmean(rewards),
-        "reward_std": _nanstd(rewards),
+        "reward_std": nanstd(rewards),
         "frac_reward_zero_std": is_std_zero.float().mean(),
     }
     return advantages, stats

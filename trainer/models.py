@@ -135,3 +135,11 @@ def load_reward_model(path: str, pad_token_id: int, dtype: str = "float32", trus
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def disable_dropout(model) -> None:
+    """Set every dropout probability of `model` to 0 (TRL does so for DPO's policy and reference and
+    for reward models, so that two forwards of the same input agree)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

@@ -1,9 +1,12 @@
 """Gated promotion in the MLflow model registry: register a checkpoint, move `@champion` only when it wins.
 
 One registered model per product line (e.g. ``alignflow-policy``); each promotion attempt adds a
-version whose source is ``runs:/<run>/checkpoint`` (the checkpoint folder's files, logged as
-artifacts of a run) and whose tags carry its metrics, dataset fingerprints and base model. Two
-aliases (MLflow's replacement for the deprecated stages) mark the state:
+version whose tags carry its metrics, dataset fingerprints and base model. The version is an MLflow 3
+transformers-flavour model (a LoggedModel of the promote run, source ``models:/<model id>``; see
+`trainer.mlflow_model`), so ``mlflow.pyfunc.load_model("models:/NAME@champion")`` serves it; a
+checkpoint that holds no full causal LM (a LoRA adapter without a merged copy, a reward model) is
+registered as its plain files (source ``runs:/<run>/checkpoint``). Two aliases (MLflow's replacement
+for the deprecated stages) mark the state:
 
     champion            the version serving / the baseline of the next evaluation
     previous-champion   the champion it replaced; `rollback` swaps the two back
@@ -13,6 +16,11 @@ same metric (the ``alignflow.metric.<name>`` tag written when the champion was r
 more than ``min_improvement`` (in the better direction). A candidate that loses is still
 registered, tagged with the decision, so every evaluated model stays in the registry's history.
 The first version of a model always becomes champion.
+
+Promotion is all-or-nothing in what it claims: a version that passes the gate is registered with
+``alignflow.promotion.promoted=pending``; the tag becomes ``true`` only after `@champion` has moved,
+and ``false`` (with ``alignflow.promotion.error``) when the alias call fails — then the aliases are
+put back and `promote` raises a one-line `RegistryError`.
 
 Every call takes an explicit tracking URI (else ``MLFLOW_TRACKING_URI``) and an http(s) server is
 checked with a short ``/health`` probe before anything is written, so an unreachable server is a
@@ -24,17 +32,26 @@ strings everywhere. Two promotions of the same model at the same moment can race
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer import checkpoint as ckpt
+from trainer.mlflow_model import checkpoint_folder, log_checkpoint_model
 from trainer.models import resolve_model_path
-from trainer.tracking import cap_mlflow_http_retries, sqlite_artifact_location, unreachable_reason
+from trainer.tracking import (
+    cap_mlflow_http_retries,
+    redact_uri,
+    sqlite_artifact_location,
+    unreachable_reason,
+    use_uri_credentials,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +59,7 @@ CHAMPION = "champion"
 PREVIOUS_CHAMPION = "previous-champion"
 CHECKPOINT_ARTIFACT = "checkpoint"  # artifact folder of the run holding the checkpoint's files
 METRIC_TAG = "alignflow.metric."  # version tag prefix: one tag per metric
+PROMOTED_TAG = "alignflow.promotion.promoted"  # "true" only once @champion points at the version
 _SKIPPED_DIRS = (ckpt.STATE_DIR,)  # optimizer states are not part of a served model
 
 
@@ -76,10 +94,10 @@ def connect(tracking_uri: str | None = None):
     """An `MlflowClient` for the registry at `tracking_uri`, after checking that an http(s) server answers."""
     from mlflow import MlflowClient
 
-    uri = resolve_tracking_uri(tracking_uri)
+    uri = use_uri_credentials(resolve_tracking_uri(tracking_uri))  # user:password@ -> MLflow's auth variables
     cap_mlflow_http_retries()
     if uri.startswith(("http://", "https://")) and (why := unreachable_reason(uri)) is not None:
-        raise RegistryError(f"The MLflow tracking server at {uri} cannot be reached ({why}); nothing was "
+        raise RegistryError(f"The MLflow tracking server at {redact_uri(uri)} cannot be reached ({why}); nothing was "
                             "registered. Start the server, or set MLFLOW_TRACKING_URI (or --tracking-uri) to one "
                             "that answers /health.")
     sqlite_artifact_location(uri)  # creates the folder of an embedded sqlite store
@@ -159,41 +177,61 @@ def _log_checkpoint_files(client, run_id: str, local: Path) -> None:
             client.log_artifact(run_id, str(path), CHECKPOINT_ARTIFACT + ("" if parent == "." else f"/{parent}"))
 
 
-def _read_logged_manifest(client, run_id: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """An embedded (sqlite) registry looks a ``models:/<id>`` source up through MLflow's *global* tracking
+    URI when it creates a version (a server uses its own store): point that at `uri` meanwhile."""
+    if uri.startswith(("http://", "https://")):
+        yield
+        return
+    import mlflow
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    old_global, old_env = tracking_utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(old_global)  # None also unsets the variable: put the user's back
+        if old_env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = old_env
+
+
+def _download_logged_checkpoint(client, run_id: str, dest: str) -> Path:
+    """The checkpoint a stage run logged as its ``checkpoint/`` artifacts, downloaded into `dest`."""
     names = {Path(a.path).name for a in client.list_artifacts(run_id, CHECKPOINT_ARTIFACT)}
     if "config.json" not in names and "adapter_config.json" not in names:
         raise RegistryError(f"Run {run_id} has no checkpoint in its `{CHECKPOINT_ARTIFACT}/` artifacts (no "
                             "config.json). Train with --mlflow_log_checkpoint true, or pass --checkpoint DIR.")
-    if ckpt.MANIFEST not in names:
-        return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        return ckpt.read_json(client.download_artifacts(run_id, f"{CHECKPOINT_ARTIFACT}/{ckpt.MANIFEST}", tmp))
+    return Path(client.download_artifacts(run_id, CHECKPOINT_ARTIFACT, dest))
 
 
 def register_checkpoint(model_name: str, checkpoint_dir: str | None, metrics: dict[str, float],
                         tags: dict[str, str] | None = None, run_id: str | None = None,
-                        tracking_uri: str | None = None, experiment: str = "alignflow") -> str:
+                        tracking_uri: str | None = None, experiment: str = "alignflow",
+                        parent_run_id: str | None = None) -> str:
     """Register a checkpoint as a new version of `model_name`; returns the version (a string).
 
-    checkpoint_dir: a complete checkpoint folder or s3:// prefix. Its files (minus training_state/)
-        are logged as artifacts ``checkpoint/`` of `run_id`, or of a new "promote" run in `experiment`
-        (a child of MLFLOW_PARENT_RUN_ID when set). None: `run_id`'s ``checkpoint/`` artifacts are
-        registered as they are (a stage run with ``mlflow_log_checkpoint``).
+    checkpoint_dir: a complete checkpoint folder or s3:// prefix, logged as an MLflow transformers
+        model of `run_id`, or of a new "promote" run in `experiment`. None: `run_id`'s ``checkpoint/``
+        artifacts (a stage run with ``mlflow_log_checkpoint``) are downloaded and logged that way.
     metrics: stored as version tags ``alignflow.metric.<name>`` (the gate reads them back) and logged
         to a newly created run.
     tags: extra version tags; lineage tags (stage, base model, dataset fingerprints from the manifest,
         source and pipeline run ids) are added.
+    parent_run_id: the pipeline's MLflow parent run, under which a new promote run is nested
+        (default: MLFLOW_PARENT_RUN_ID).
     """
     if checkpoint_dir is None and run_id is None:
         raise RegistryError("Give a checkpoint folder, or the id of a run whose artifacts hold one.")
     client = connect(tracking_uri)
     local = _local_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
-    return _register(client, model_name, local, metrics, tags, run_id, experiment)
+    return _register(client, model_name, local, metrics, tags, run_id, experiment, parent_run_id)
 
 
 def _register(client, model_name: str, local: Path | None, metrics: dict[str, float], tags: dict[str, str] | None,
-              run_id: str | None, experiment: str) -> str:
-    parent = os.environ.get("MLFLOW_PARENT_RUN_ID") or None
+              run_id: str | None, experiment: str, parent_run_id: str | None = None) -> str:
+    parent = parent_run_id or os.environ.get("MLFLOW_PARENT_RUN_ID") or None
     if run_id is None:
         from mlflow.entities import Metric
 
@@ -210,26 +248,38 @@ def _register(client, model_name: str, local: Path | None, metrics: dict[str, fl
         parent = client.get_run(run_id).data.tags.get("mlflow.parentRunId") or parent
         created = False
     try:
-        if local is not None:
-            _log_checkpoint_files(client, run_id, local)
+        with tempfile.TemporaryDirectory(prefix="alignflow-register-") as tmp:
+            logged_files = local is None  # the run's checkpoint/ artifacts already hold the files
+            if local is None:
+                local = _download_logged_checkpoint(client, run_id, tmp)
             manifest_path = local / ckpt.MANIFEST
             manifest = ckpt.read_json(str(manifest_path)) if manifest_path.exists() else {}
-        else:
-            manifest = _read_logged_manifest(client, run_id)
-        version_tags = {**manifest_tags(manifest), **metric_tags(metrics), "alignflow.source_run_id": run_id}
-        if parent:
-            version_tags["alignflow.pipeline_run_id"] = parent
-        version_tags.update(tags or {})
-        _ensure_registered_model(client, model_name)
-        version = client.create_model_version(model_name, f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}", run_id=run_id,
-                                              tags=version_tags).version
+            model_id = log_checkpoint_model(client, run_id, local, model_name)
+            if model_id is None:
+                log.warning("%s holds no full causal LM (a LoRA adapter without merged/, or not a causal LM): "
+                            "registering its files; mlflow.pyfunc cannot load this version (save LoRA "
+                            "checkpoints with lora_merge_on_save to make them servable).", local)
+                if not logged_files:
+                    _log_checkpoint_files(client, run_id, local)
+                source, fmt = f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}", "checkpoint-files"
+            else:
+                source, fmt = f"models:/{model_id}", "mlflow-transformers"
+            version_tags = {**manifest_tags(manifest), **metric_tags(metrics), "alignflow.source_run_id": run_id,
+                            "alignflow.model_format": fmt}
+            if parent:
+                version_tags["alignflow.pipeline_run_id"] = parent
+            version_tags.update(tags or {})
+            _ensure_registered_model(client, model_name)
+            with _global_tracking_uri(client.tracking_uri):
+                version = client.create_model_version(model_name, source, run_id=run_id, tags=version_tags,
+                                                      model_id=model_id).version
     except BaseException:
         if created:
             client.set_terminated(run_id, "FAILED")
         raise
     if created:
         client.set_terminated(run_id, "FINISHED")
-    log.info("Registered %s version %s from run %s.", model_name, version, run_id)
+    log.info("Registered %s version %s from run %s (%s).", model_name, version, run_id, source)
     return str(version)
 
 
@@ -279,13 +329,17 @@ def check_gate(model_name: str, metrics: dict[str, float], gate_metric: str = "r
 def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, float], gate_metric: str = "reward",
             min_improvement: float = 0.0, higher_is_better: bool = True, tags: dict[str, str] | None = None,
             tracking_uri: str | None = None, run_id: str | None = None, force: bool = False,
-            experiment: str = "alignflow") -> PromotionResult:
+            experiment: str = "alignflow", parent_run_id: str | None = None) -> PromotionResult:
     """Register `checkpoint_dir` as a new version and make it `@champion` if it beats the current one.
 
     The gate compares ``metrics[gate_metric]`` with the champion's stored value (see module doc);
     the replaced champion gets the alias ``previous-champion``. `force` skips the gate (e.g. when
     the champion has no stored value of a newly chosen gate metric). Everything that can be checked
-    (server, metric, checkpoint folder) is checked before anything is written.
+    (server, metric, checkpoint folder) is checked before anything is written. `parent_run_id` nests
+    the promote run under the pipeline's run (default: MLFLOW_PARENT_RUN_ID).
+
+    Raises `RegistryError` when the version was registered but `@champion` could not be moved: the
+    version is then tagged ``promoted=false`` with the error, and the aliases are as before.
     """
     if gate_metric not in metrics:
         raise RegistryError(f"Gate metric `{gate_metric}` is not among the candidate's metrics "
@@ -305,16 +359,56 @@ def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, floa
                                              higher_is_better)
 
     decision = {"alignflow.promotion.gate_metric": gate_metric, "alignflow.promotion.reason": reason[:5000],
-                "alignflow.promotion.promoted": str(passed).lower()}
-    version = _register(client, model_name, local, metrics, {**(tags or {}), **decision}, run_id, experiment)
+                PROMOTED_TAG: "pending" if passed else "false"}
+    version = _register(client, model_name, local, metrics, {**(tags or {}), **decision}, run_id, experiment,
+                        parent_run_id)
     after = before
     if passed:
-        if before is not None and before != version:
-            client.set_registered_model_alias(model_name, PREVIOUS_CHAMPION, before)
-        client.set_registered_model_alias(model_name, CHAMPION, version)
+        _move_champion(client, model_name, version, before)
         after = version
+        try:
+            client.set_model_version_tag(model_name, version, PROMOTED_TAG, "true")
+        except Exception as err:  # the alias did move: report success, but say the tag lags
+            log.warning("%s v%s is champion, but its %s tag could not be set to true (%s); it reads 'pending'.",
+                        model_name, version, PROMOTED_TAG, redact_uri(str(err))[:300])
     log.info("%s v%s: %s; champion %s -> %s.", model_name, version, reason, before, after)
     return PromotionResult(version, passed, reason, before, after)
+
+
+def _set_alias(client, model_name: str, alias: str, version: str | None) -> None:
+    if version is None:
+        client.delete_registered_model_alias(model_name, alias)
+    else:
+        client.set_registered_model_alias(model_name, alias, version)
+
+
+def _move_champion(client, model_name: str, version: str, before: str | None) -> None:
+    """`@previous-champion` -> `before`, then `@champion` -> `version`; on failure put both back, tag the
+    version ``promoted=false`` with the error, and raise a one-line RegistryError."""
+    previous_before = _aliases(client, model_name).get(PREVIOUS_CHAMPION)
+    moved_previous = False
+    try:
+        if before is not None and before != version:
+            client.set_registered_model_alias(model_name, PREVIOUS_CHAMPION, before)
+            moved_previous = True
+        client.set_registered_model_alias(model_name, CHAMPION, version)
+    except Exception as err:
+        why = redact_uri(f"{type(err).__name__}: {err}").replace("\n", " ")[:300]
+        notes = []
+        if moved_previous:
+            try:
+                _set_alias(client, model_name, PREVIOUS_CHAMPION, previous_before)
+            except Exception:
+                notes.append(f"@{PREVIOUS_CHAMPION} could not be put back to {previous_before}")
+        try:
+            client.set_model_version_tag(model_name, version, PROMOTED_TAG, "false")
+            client.set_model_version_tag(model_name, version, "alignflow.promotion.error", why)
+            marked = f"version {version} is tagged {PROMOTED_TAG}=false"
+        except Exception:
+            marked = f"version {version} still reads {PROMOTED_TAG}=pending"
+        raise RegistryError(f"Registered {model_name} version {version}, but moving @{CHAMPION} failed ({why}); "
+                            f"@{CHAMPION} stays {before}; {marked}" + "".join(f"; {n}" for n in notes)
+                            + ".") from err
 
 
 def rollback(model_name: str, tracking_uri: str | None = None) -> PromotionResult:
@@ -326,7 +420,12 @@ def rollback(model_name: str, tracking_uri: str | None = None) -> PromotionResul
         raise RegistryError(f"Cannot roll back {model_name!r}: it needs both @{CHAMPION} and @{PREVIOUS_CHAMPION} "
                             f"aliases, and has {aliases or 'none'}.")
     client.set_registered_model_alias(model_name, CHAMPION, previous)
-    client.set_registered_model_alias(model_name, PREVIOUS_CHAMPION, current)
+    try:
+        client.set_registered_model_alias(model_name, PREVIOUS_CHAMPION, current)
+    except Exception as err:
+        client.set_registered_model_alias(model_name, CHAMPION, current)
+        raise RegistryError(f"Rollback of {model_name} failed ({redact_uri(str(err))[:300]}); "
+                            f"@{CHAMPION} stays {current}.") from err
     reason = f"rolled back: champion {current} -> {previous} ({current} is now {PREVIOUS_CHAMPION})"
     log.info("%s: %s.", model_name, reason)
     return PromotionResult(previous, True, reason, current, previous)
@@ -348,7 +447,8 @@ def champion_uri(model_name: str, tracking_uri: str | None = None) -> str | None
 
 
 def download_model(model_uri: str, dest: str, tracking_uri: str | None = None) -> str:
-    """Download ``models:/<name>@<alias>`` or ``models:/<name>/<version>`` into `dest`; returns the model folder."""
+    """Download ``models:/<name>@<alias>`` or ``models:/<name>/<version>`` into `dest`; returns the checkpoint
+    folder (for an MLflow transformers model, its ``model/`` folder)."""
     from mlflow.exceptions import MlflowException
 
     if not model_uri.startswith("models:/"):
@@ -368,10 +468,14 @@ def download_model(model_uri: str, dest: str, tracking_uri: str | None = None) -
     source = version.source
     if source.startswith("runs:/"):
         run_id, _, path = source[len("runs:/"):].partition("/")
-        return client.download_artifacts(run_id, path or CHECKPOINT_ARTIFACT, dest)
+        return checkpoint_folder(client.download_artifacts(run_id, path or CHECKPOINT_ARTIFACT, dest))
     import mlflow.artifacts
 
-    return mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dest, tracking_uri=client.tracking_uri)
+    if source.startswith("models:/m-"):  # a LoggedModel: resolved with this client, not MLflow's global URI
+        source = client.get_logged_model(source[len("models:/"):]).artifact_location
+    # An MLflow transformers model: the checkpoint is its model/ folder.
+    return checkpoint_folder(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dest,
+                                                                 tracking_uri=client.tracking_uri))
 
 
 def download_champion(model_name: str, dest: str, tracking_uri: str | None = None) -> str | None:

@@ -11,9 +11,9 @@ pairs (all accumulated micro-batches), so gradient accumulation gives the same u
 large batch.
 
 The text scored is prompt + reply, as in TRL's RewardTrainer, closed with the eos token when
-the model reads its reward at the last token (`reward_texts`). `trainer.rewards.RewardModelScorer`
-builds its inputs with the same function, so a checkpoint scores GRPO completions exactly as it
-was trained.
+the model reads its reward at the last token (`trainer.preferences.reward_texts`).
+`trainer.rewards.RewardModelScorer` builds its inputs with the same function, so a checkpoint
+scores GRPO completions exactly as it was trained.
 
 Departures from TRL's RewardTrainer: pairs longer than `max_length` are truncated from the left
 by default (keeping both replies and the latest turns of the prompt; the saved tokenizer keeps
@@ -21,44 +21,33 @@ that `truncation_side`), where TRL drops them (`truncation_mode=drop` does that 
 text data alike get the eos rule above (TRL adds eos to text data only, and fails on tokenizers
 without one, like BERT's).
 
-Read top to bottom: config, data, batches, the stage.
+Read top to bottom: config, batches, the stage (pairs are tokenized by `trainer.preferences`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import DataError, describe_datasets, load_rows, report_lengths, split_eval
-from trainer.loop import (
-    MetricWindow,
-    Progress,
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    set_seed,
-    step_batches,
-    total_steps,
-)
+from trainer.config import ConfigError, TrainConfig, option
+from trainer.data import describe_datasets, load_train_eval
+from trainer.loop import total_steps
 from trainer.losses import bradley_terry_loss
 from trainer.models import (
     ModelError,
     apply_lora,
     count_parameters,
+    disable_dropout,
     load_reward_model,
     load_tokenizer,
     resolve_model_path,
 )
-from trainer.preferences import PreferenceText, load_pairs
-from trainer.storage import fetch_to_local, is_remote
+from trainer.preferences import TokenizedPairs, load_pairs, read_margins, tokenize_reward_pairs
+from trainer.runner import StageRunner, to_device
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +56,16 @@ log = logging.getLogger(__name__)
 class RewardConfig(TrainConfig):
     """Reward-model training on preference pairs (Bradley–Terry)."""
 
-    learning_rate: float = _f(1e-4, "Peak learning rate (AdamW); TRL's RewardConfig default.")
-    truncation_mode: Literal["keep_start", "keep_end", "drop"] = _f(
+    learning_rate: float = option(1e-4, "Peak learning rate (AdamW); TRL's RewardConfig default.")
+    truncation_mode: Literal["keep_start", "keep_end", "drop"] = option(
         "keep_end", "Texts (prompt + reply) longer than `max_length`: `keep_end` cuts their start, so both replies "
                     "and the latest prompt turns stay; `keep_start` cuts their end (and may cut away the replies' "
                     "difference: such pairs are dropped); `drop` drops the pair, as TRL does. Counts are logged.")
-    center_rewards_coefficient: float | None = _f(
+    center_rewards_coefficient: float | None = option(
         None, "Weight c of the reward-centring term c·mean((r_chosen + r_rejected)²), which keeps rewards near 0 "
               "(Eisenstein et al. 2023, arXiv:2312.09244; TRL suggests 0.01). Unset = off.")
-    disable_dropout: bool = _f(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
-                                     "encoders ship with 0.1, so chosen and rejected would see different masks).")
+    disable_dropout: bool = option(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
+                                         "encoders ship with 0.1, so chosen and rejected would see different masks).")
 
     stage = "reward"
 
@@ -85,103 +74,6 @@ class RewardConfig(TrainConfig):
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             raise ConfigError(f"`center_rewards_coefficient` must be >= 0 (or unset), got "
                               f"{self.center_rewards_coefficient}.")
-
-
-# ----------------------------------------------------------------------------------------------
-# Data
-
-
-def _closes_with_eos(tokenizer) -> bool:
-    """Whether reward texts must end with the eos token: a causal LM reads the reward at the last
-    token, and eos gives that position a fixed meaning ("the reply ends here"). Encoders' tokenizers
-    close the sequence themselves (BERT: [CLS] … [SEP]), and may have no eos at all. (Where pad == eos,
-    transformers takes a final eos for padding and reads the token before it, as in TRL.)"""
-    if tokenizer.eos_token is None:
-        return False
-    ids = tokenizer("x")["input_ids"]
-    return not ids or ids[-1] not in tokenizer.all_special_ids
-
-
-def reward_texts(tokenizer, prompts: list[str], replies: list[str]) -> list[str]:
-    """The texts a reward model scores: prompt + reply (+ eos, see `_closes_with_eos`). A reply that
-    already ends with eos (chat templates close each turn with it) gets no second one."""
-    eos = tokenizer.eos_token if _closes_with_eos(tokenizer) else None
-    texts = [p + r for p, r in zip(prompts, replies)]
-    return [t + eos if eos and not t.rstrip().endswith(eos) else t for t in texts]
-
-
-def tokenize_texts(tokenizer, texts: list[str], max_length: int,
-                   drop_long: bool) -> tuple[list[list[int] | None], list[bool]]:
-    """Token ids of each text with the tokenizer's special tokens, and whether it was longer than
-    `max_length`. Long texts are cut on the tokenizer's `truncation_side` (special tokens kept), or
-    are None with `drop_long`."""
-    ids: list[list[int] | None] = tokenizer(texts, verbose=False)["input_ids"]  # no "too long" warning: handled
-    long = [len(x) > max_length for x in ids]
-    where = [i for i, is_long in enumerate(long) if is_long]
-    if where and not drop_long:
-        cut = tokenizer([texts[i] for i in where], truncation=True, max_length=max_length)["input_ids"]
-        for i, x in zip(where, cut):
-            ids[i] = x
-    else:
-        for i in where:
-            ids[i] = None
-    return ids, long
-
-
-def read_margins(rows, indices: list[int], name: str) -> list[float] | None:
-    """The optional `margin` column (Llama 2's preference strength) for the pairs kept from `rows`."""
-    if "margin" not in rows.column_names:
-        return None
-    column = rows["margin"]
-    margins = []
-    for i in indices:
-        value = column[i]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise DataError(f"{name}: row {i}: `margin` must be a finite number, got {value!r}.")
-        margins.append(float(value))
-    return margins
-
-
-@dataclass
-class TokenizedPairs:
-    """Token ids of each kept pair's chosen and rejected text, and its margin."""
-
-    chosen_ids: list[list[int]]
-    rejected_ids: list[list[int]]
-    margins: list[float] | None
-
-    def __len__(self) -> int:
-        return len(self.chosen_ids)
-
-
-def tokenize_pairs(pairs: list[PreferenceText], margins: list[float] | None, tokenizer, name: str,
-                   max_length: int, truncation_mode: str) -> TokenizedPairs:
-    """Tokenize pairs, apply the length policy and drop pairs whose two texts became identical."""
-    prompts = [p.prompt for p in pairs]
-    drop = truncation_mode == "drop"
-    chosen, chosen_long = tokenize_texts(tokenizer, reward_texts(tokenizer, prompts, [p.chosen for p in pairs]),
-                                         max_length, drop)
-    rejected, rejected_long = tokenize_texts(
-        tokenizer, reward_texts(tokenizer, prompts, [p.rejected for p in pairs]), max_length, drop)
-    out = TokenizedPairs([], [], [] if margins is not None else None)
-    long = identical = 0
-    for i, (c, r) in enumerate(zip(chosen, rejected)):
-        long += chosen_long[i] or rejected_long[i]
-        if c is None or r is None:
-            continue
-        if c == r:  # truncation cut away the only difference
-            identical += 1
-            continue
-        out.chosen_ids.append(c)
-        out.rejected_ids.append(r)
-        if margins is not None:
-            out.margins.append(margins[i])
-    if identical:
-        log.warning("%s: dropped %d pairs whose chosen and rejected texts are identical after truncation to "
-                    "max_length=%d (truncation_mode=%s); use keep_end.", name, identical, max_length, truncation_mode)
-    report_lengths(name, len(pairs), max_length, truncation_mode, 0 if drop else long, long if drop else 0, 0,
-                   len(out))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +105,8 @@ def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 def collate(data: TokenizedPairs, indices: list[int], pad_id: int) -> PairBatch:
-    seqs = [data.chosen_ids[i] for i in indices] + [data.rejected_ids[i] for i in indices]
+    seqs = ([data.prompt_ids[i] + data.chosen_ids[i] for i in indices]
+            + [data.prompt_ids[i] + data.rejected_ids[i] for i in indices])
     input_ids, attention = pad_right(seqs, pad_id)
     margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     return PairBatch(input_ids, attention, margin)
@@ -231,18 +124,25 @@ def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, data: TokenizedPairs, batch_size: int, pad_id: int,
-             center_rewards_coefficient: float | None) -> dict[str, float]:
-    """Loss and statistics over the whole eval set (not a mean of batch means)."""
-    model.eval()
+def evaluate(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, float]:
+    """Loss and statistics over the whole eval set (not a mean of batch means); each rank scores its share."""
+    from accelerate.utils import gather_object
+
+    run.module.eval()
     chosen, rejected = [], []
-    for start in range(0, len(data), batch_size):
-        c, r = pair_rewards(model, collate(data, list(range(start, min(start + batch_size, len(data)))), pad_id))
-        chosen.append(c)
-        rejected.append(r)
-    model.train()
+    for part in run.rank_slice(len(data)):
+        batch = to_device(collate(data, list(part or range(1)), pad_id), run.device)
+        with run.accelerator.autocast():
+            c, r = pair_rewards(run.model, batch)  # an empty share still runs one forward (ZeRO-3)
+        if len(part):
+            chosen += c.tolist()
+            rejected += r.tolist()
+    run.module.train()
+    if run.world > 1:  # shares are contiguous, so rank order is data order
+        chosen, rejected = (sum(gather_object([x]), []) for x in (chosen, rejected))
     margin = torch.tensor(data.margins) if data.margins is not None else None
-    loss, stats = bradley_terry_loss(torch.cat(chosen), torch.cat(rejected), margin, center_rewards_coefficient)
+    loss, stats = bradley_terry_loss(torch.tensor(chosen), torch.tensor(rejected), margin,
+                                     run.config.center_rewards_coefficient)
     return {"eval_loss": float(loss), **{f"eval_{k}": float(v) for k, v in stats.items()}}
 
 
@@ -255,20 +155,45 @@ def _score_head(model) -> str:
                      "tell which module to train in full. Set `lora_r 0`.")
 
 
-def _disable_dropout(model) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
 
 # ----------------------------------------------------------------------------------------------
 # The stage
 
 
+def train_step(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, float]:
+    """One optimizer step over this rank's share of the step's pairs; returns the step's metrics."""
+    step = run.state.global_step + 1
+    micro = [(collate(data, part.indices, pad_id), part.weight) for part in run.rank_batches(len(data), step)]
+    step_pairs = run.sum_over_ranks({"n": sum(w * b.num_pairs for b, w in micro)})["n"]
+    sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward", "tokens"), 0.0)
+    low, high = math.inf, -math.inf
+    for i, (batch, weight) in enumerate(micro):
+        with run.micro_batch(last=i == len(micro) - 1):
+            chosen, rejected = pair_rewards(run.model, to_device(batch, run.device))
+            loss, stats = bradley_terry_loss(chosen, rejected, batch.margin, run.config.center_rewards_coefficient)
+            # Both terms of the loss are means over the micro-batch's pairs: weight by its share of
+            # the step's pairs on all ranks (x world size: the ranks' gradients are averaged).
+            share = weight * batch.num_pairs / step_pairs
+            run.backward(loss * share * run.world)
+        for key, value in (("loss", loss.detach()), *((k, stats[k]) for k in ("accuracy", "margin", "mean_reward"))):
+            sums[key] += float(value) * share
+        sums["tokens"] += weight * int(batch.attention_mask.sum())
+        if weight:
+            low, high = min(low, float(stats["min_reward"])), max(high, float(stats["max_reward"]))
+    grad_norm = run.optimizer_step()
+    sums = run.sum_over_ranks(sums)
+    run.state.global_step = step
+    run.state.num_tokens += int(sums.pop("tokens"))
+    return {**sums, "min_reward": run.extreme_over_ranks(low, largest=False),
+            "max_reward": run.extreme_over_ranks(high, largest=True), "grad_norm": grad_norm}
+
+
 def run_reward(config: RewardConfig) -> str:
-    """Train, checkpoint and save a reward model; returns `config.output_dir` (holding it)."""
-    set_seed(config.seed)
-    started = time.perf_counter()
+    """Train, checkpoint and save a reward model; returns `config.output_dir` (holding it).
+
+    Under `accelerate launch` (or `alignflow train reward --num_processes N`) every process runs it as one rank.
+    """
+    run = StageRunner("reward", config)
 
     # 1. Data, validated before the model is loaded.
     model_path = resolve_model_path(config.model)
@@ -277,29 +202,21 @@ def run_reward(config: RewardConfig) -> str:
     # writes only attributes listed in init_kwargs).
     tokenizer.truncation_side = tokenizer.init_kwargs["truncation_side"] = (
         "left" if config.truncation_mode == "keep_end" else "right")
-    rows = load_rows(config.dataset, config.dataset_split)
-    if config.eval_dataset:
-        eval_rows = load_rows(config.eval_dataset, config.dataset_split)
-    elif config.eval_split_ratio:
-        rows, eval_rows = split_eval(rows, config.eval_split_ratio, config.seed)
-    else:
-        eval_rows = None
+    rows, eval_rows = load_train_eval(config)
 
     def prepare(ds, name: str) -> TokenizedPairs:
         pairs, kept = load_pairs(ds, name, "reward", tokenizer)
-        return tokenize_pairs(pairs, read_margins(ds, kept, name), tokenizer, name, config.max_length,
-                              config.truncation_mode)
+        return tokenize_reward_pairs(pairs, read_margins(ds, kept, name), tokenizer, name, config.max_length,
+                                     config.truncation_mode)
 
     train_data = prepare(rows, config.dataset)
     eval_data = prepare(eval_rows, config.eval_dataset or "eval split") if eval_rows is not None else None
-    steps = total_steps(config, len(train_data))
+    steps = total_steps(config, len(train_data), run.world)
     log.info("Reward model: %d pairs%s; %d optimizer steps.", len(train_data),
              f" ({len(eval_data)} held out)" if eval_data else "", steps)
 
     # 2. Model, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
-    if resume and is_remote(resume):
-        resume = fetch_to_local(resume)
+    resume = run.resume_checkpoint()
     model = load_reward_model(resume or model_path, tokenizer.pad_token_id, config.dtype, config.trust_remote_code,
                               config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -308,76 +225,24 @@ def run_reward(config: RewardConfig) -> str:
         raise ConfigError(f"`max_length` is {config.max_length} and texts of {longest} tokens remain, but "
                           f"{config.model} has {positions} positions: pass --max_length {positions} or less.")
     if config.disable_dropout:
-        _disable_dropout(model)
+        disable_dropout(model)
     if config.lora_r and not resume:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            task_type="SEQ_CLS", modules_to_save=[_score_head(model)])
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config, steps)
-    run = ckpt.StageRun("reward", config, model, tokenizer, optimizer, scheduler, resume,
-                        describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
-                                          {"pairs": len(eval_data)} if eval_data is not None else None))
-    state, tracker = run.state, run.tracker
-    # 3. The loop.
-    pad_id = tokenizer.pad_token_id
-    pairs_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
-    window = MetricWindow()
-    progress = Progress(steps, state.global_step, "reward", config.disable_progress_bar)
-    try:
-        while state.global_step < steps:
-            step = state.global_step + 1
-            micro = [collate(train_data, idx, pad_id)
-                     for idx in step_batches(len(train_data), config.per_device_batch_size,
-                                             config.gradient_accumulation_steps, config.seed, step)]
-            step_pairs = sum(b.num_pairs for b in micro)
-            sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward"), 0.0)
-            low, high = math.inf, -math.inf
-            for batch in micro:
-                chosen, rejected = pair_rewards(model, batch)
-                loss, stats = bradley_terry_loss(chosen, rejected, batch.margin, config.center_rewards_coefficient)
-                # Both terms of the loss are means over the micro-batch's pairs: weight by its share.
-                weight = batch.num_pairs / step_pairs
-                (loss * weight).backward()
-                sums["loss"] += float(loss.detach()) * weight
-                for key in ("accuracy", "margin", "mean_reward"):
-                    sums[key] += float(stats[key]) * weight
-                low, high = min(low, float(stats["min_reward"])), max(high, float(stats["max_reward"]))
-                state.num_tokens += int(batch.attention_mask.sum())
-            grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
-            state.global_step = step
-            window.add({**sums, "min_reward": low, "max_reward": high, "grad_norm": grad_norm})
-            logged = None
-            if step % config.logging_steps == 0 or step == steps:
-                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
-                          "num_tokens": float(state.num_tokens), "epoch": step * pairs_per_step / len(train_data)}
-                if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
-                    logged.update(evaluate(model, eval_data, config.per_device_batch_size, pad_id,
-                                           config.center_rewards_coefficient))
-                tracker.log_metrics(logged, step)
-                run.last_metrics = logged
-            progress.update(step, logged)
-            if config.save_steps and step % config.save_steps == 0 and step != steps:
-                run.save("step")
-        progress.close()
+    run.tokenizer = tokenizer
+    with run.failing():
+        run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
+                                                    {"pairs": len(eval_data)} if eval_data is not None else None))
+
+        # 3. The loop.
+        pad_id = tokenizer.pad_token_id
+        evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
+        while run.state.global_step < steps:
+            run.end_step(train_step(run, train_data, pad_id), len(train_data), evaluate_now)
 
         # 4. Final evaluation and the model.
-        if eval_data:
-            final_eval = evaluate(model, eval_data, config.per_device_batch_size, pad_id,
-                                  config.center_rewards_coefficient)
-            tracker.log_metrics(final_eval, state.global_step)
-            run.last_metrics = {**run.last_metrics, **final_eval}
-        run.last_metrics["train_runtime"] = time.perf_counter() - started
-        run.save("final")
-        tracker.log_dict(run.manifest(), ckpt.MANIFEST)
-        if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
-            tracker.log_artifacts(config.output_dir, "checkpoint")
-        tracker.finish()
-    except BaseException:
-        progress.close()
-        tracker.finish("FAILED")
-        raise
-    log.info("Reward model done in %.1fs; saved to %s", time.perf_counter() - started, config.output_dir)
-    return str(Path(config.output_dir)) if not is_remote(config.output_dir) else config.output_dir
+        run.final_evaluation(evaluate_now)
+        return run.finish()

@@ -6,7 +6,7 @@ Three kinds, loaded by `load_reward_function(spec)`:
 - any user function given as an import path `pkg.module:function`;
 - `RewardModelScorer`, a reward-model checkpoint (the output of `alignflow train reward`, or any
   sequence-classification model with one label). It builds each text exactly as the RM stage
-  did in training (`trainer.reward.reward_texts`: prompt + completion, eos rule included; chat
+  did in training (`trainer.preferences.reward_texts`: prompt + completion, eos rule included; chat
   rendered with the RM's own chat template), so a checkpoint scores GRPO completions the way it
   learned to score preference pairs.
 
@@ -27,7 +27,8 @@ from trainer import storage
 from trainer.checkpoint import MANIFEST
 from trainer.data import is_conversational, render_chat
 from trainer.models import load_reward_model, load_tokenizer, resolve_model_path
-from trainer.reward import pad_right, reward_texts, sequence_rewards
+from trainer.preferences import reward_texts
+from trainer.reward import pad_right, sequence_rewards
 
 DEFAULT_MAX_LENGTH = 1024
 

@@ -17,28 +17,16 @@ Read top to bottom: config, data, model, loop, save.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import ConfigError, TrainConfig, _f
-from trainer.data import TokenizedSFT, describe_datasets, load_rows, pack_best_fit, split_eval, tokenize_sft
-from trainer.logprobs import entropy, selective_log_softmax, target_logits
-from trainer.loop import (
-    MetricWindow,
-    Progress,
-    build_optimizer,
-    build_scheduler,
-    clip_and_step,
-    set_seed,
-    step_batches,
-    total_steps,
-)
+from trainer.config import ConfigError, TrainConfig, option
+from trainer.data import TokenizedSFT, describe_datasets, load_train_eval, pack_best_fit, tokenize_sft
+from trainer.logprobs import TargetLM, entropy, selective_log_softmax, target_logits
+from trainer.loop import total_steps
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-from trainer.storage import fetch_to_local, is_remote
+from trainer.runner import StageRunner, to_device
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +35,14 @@ log = logging.getLogger(__name__)
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on text, prompt/completion or chat data."""
 
-    learning_rate: float = _f(2e-5, "Peak learning rate (AdamW).")
-    completion_only_loss: bool = _f(True, "For prompt/completion data: train on completion tokens only.")
-    assistant_only_loss: bool = _f(True, "For chat `messages`: train on assistant turns only.")
-    packing: bool = _f(False, "Pack several short examples into each row of `max_length` tokens "
+    learning_rate: float = option(2e-5, "Peak learning rate (AdamW).")
+    completion_only_loss: bool = option(True, "For prompt/completion data: train on completion tokens only.")
+    assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
+    packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
                               "(no attention across examples).")
-    num_sample_completions: int = _f(4, "Greedy sample completions of held-out prompts logged at the end "
+    num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
                                         "(0 = none).")
-    sample_max_new_tokens: int = _f(48, "Length of those sample completions.")
+    sample_max_new_tokens: int = option(48, "Length of those sample completions.")
 
     stage = "sft"
 
@@ -82,7 +70,7 @@ class SFTBatch:
         return int((self.position_ids >= 0).sum())
 
 
-def collate(rows: list[list[int]], data: TokenizedSFT, pad_id: int, packed: bool) -> SFTBatch:
+def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool) -> SFTBatch:
     """Right-pad examples (or packed groups of examples) into one batch.
 
     `rows` lists, for each batch row, the indices of the examples it holds (one unless packed).
@@ -131,17 +119,21 @@ def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 @torch.no_grad()
-def evaluate(model, data: TokenizedSFT, batch_size: int, pad_id: int) -> dict[str, float]:
-    model.eval()
-    total = correct = loss = 0.0
-    for start in range(0, len(data), batch_size):
-        batch = collate([[i] for i in range(start, min(start + batch_size, len(data)))], data, pad_id, False)
-        nll, stats = token_loss(model, batch)
-        loss += float(nll)
-        correct += stats["correct"]
-        total += stats["targets"]
-    model.train()
-    return {"eval_loss": loss / max(total, 1), "eval_mean_token_accuracy": correct / max(total, 1)}
+def evaluate(run: StageRunner, data: TokenizedSFT, pad_id: int) -> dict[str, float]:
+    """Loss and token accuracy on held-out data; each rank scores its share, the sums cross ranks."""
+    run.module.eval()
+    sums = {"loss": 0.0, "correct": 0.0, "targets": 0.0}
+    for part in run.rank_slice(len(data)):
+        weight = 1.0 if len(part) else 0.0  # an empty share still runs one forward (ZeRO-3 gathers collectively)
+        batch = to_device(collate(data, [[i] for i in (part or range(1))], pad_id, False), run.device)
+        with run.accelerator.autocast():
+            nll, stats = token_loss(run.model, batch)
+        for key, value in (("loss", float(nll)), ("correct", stats["correct"]), ("targets", stats["targets"])):
+            sums[key] += weight * value
+    run.module.train()
+    sums = run.sum_over_ranks(sums)
+    return {"eval_loss": sums["loss"] / max(sums["targets"], 1), "eval_mean_token_accuracy":
+            sums["correct"] / max(sums["targets"], 1)}
 
 
 @torch.no_grad()
@@ -149,7 +141,7 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     model.eval()
     outs = []
     for prompt in prompts:
-        enc = tokenizer(prompt, return_tensors="pt")
+        enc = tokenizer(prompt, return_tensors="pt").to(model.device)
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
         outs.append(tokenizer.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
@@ -176,21 +168,41 @@ def _prompt_texts(rows, tokenizer, n: int) -> list[str]:
 # The stage
 
 
+def train_step(run: StageRunner, units: list[list[int]], data: TokenizedSFT, pad_id: int) -> dict[str, float]:
+    """One optimizer step over this rank's share of the step's micro-batches; returns the step's metrics."""
+    step = run.state.global_step + 1
+    micro = [(collate(data, [units[u] for u in part.indices], pad_id, run.config.packing), part.weight)
+             for part in run.rank_batches(len(units), step)]
+    # The loss is summed over the step's target tokens on all ranks, divided by their number
+    # (x world size: DDP and DeepSpeed average the ranks' gradients). collate zeroes position 0.
+    step_targets = run.sum_over_ranks({"n": sum(w * int(b.target_mask.sum()) for b, w in micro)})["n"]
+    sums = {"loss": 0.0, "entropy": 0.0, "correct": 0.0, "tokens": 0.0}
+    for i, (batch, weight) in enumerate(micro):
+        with run.micro_batch(last=i == len(micro) - 1):
+            nll, stats = token_loss(run.model, to_device(batch, run.device))
+            run.backward(nll * (weight * run.world / step_targets))
+        for key, value in (("loss", float(nll.detach())), ("entropy", stats["entropy_sum"]),
+                           ("correct", stats["correct"]), ("tokens", batch.num_tokens)):
+            sums[key] += weight * value
+    grad_norm = run.optimizer_step()
+    sums = run.sum_over_ranks(sums)
+    run.state.global_step = step
+    run.state.num_tokens += int(sums["tokens"])
+    return {"loss": sums["loss"] / step_targets, "grad_norm": grad_norm, "entropy": sums["entropy"] / step_targets,
+            "mean_token_accuracy": sums["correct"] / step_targets}
+
+
 def run_sft(config: SFTConfig) -> str:
-    """Train, checkpoint and save; returns `config.output_dir` (holding the final model)."""
-    set_seed(config.seed)
-    started = time.perf_counter()
+    """Train, checkpoint and save; returns `config.output_dir` (holding the final model).
+
+    Under `accelerate launch` (or `alignflow train sft --num_processes N`) every process runs it as one rank.
+    """
+    run = StageRunner("sft", config)
 
     # 1. Data, validated before the model is loaded.
     model_path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(model_path, config.trust_remote_code)
-    rows = load_rows(config.dataset, config.dataset_split)
-    if config.eval_dataset:
-        eval_rows = load_rows(config.eval_dataset, config.dataset_split)
-    elif config.eval_split_ratio:
-        rows, eval_rows = split_eval(rows, config.eval_split_ratio, config.seed)
-    else:
-        eval_rows = None
+    rows, eval_rows = load_train_eval(config)
     tokenize = dict(tokenizer=tokenizer, max_length=config.max_length, truncation_mode=config.truncation_mode,
                     completion_only_loss=config.completion_only_loss, assistant_only_loss=config.assistant_only_loss)
     train_data = tokenize_sft(rows, name=config.dataset, **tokenize)
@@ -198,14 +210,12 @@ def run_sft(config: SFTConfig) -> str:
     # Each schedulable unit is a list of examples: one each, or one packed row each.
     units = (pack_best_fit([len(x) for x in train_data.input_ids], config.max_length) if config.packing
              else [[i] for i in range(len(train_data))])
-    steps = total_steps(config, len(units))
+    steps = total_steps(config, len(units), run.world)
     log.info("SFT: %d examples in %d %s; %d optimizer steps.", len(train_data), len(units),
              "packed rows" if config.packing else "rows", steps)
 
     # 2. Model, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir)
-    if resume and is_remote(resume):
-        resume = fetch_to_local(resume)
+    resume = run.resume_checkpoint()
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:
@@ -213,68 +223,24 @@ def run_sft(config: SFTConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config, steps)
-    run = ckpt.StageRun("sft", config, model, tokenizer, optimizer, scheduler, resume,
-                        describe_datasets(config, rows, eval_rows, {"examples": len(train_data)}))
-    state, tracker = run.state, run.tracker
-    # 3. The loop.
-    pad_id = tokenizer.pad_token_id
-    units_per_step = config.per_device_batch_size * config.gradient_accumulation_steps
-    window = MetricWindow()
-    progress = Progress(steps, state.global_step, "sft", config.disable_progress_bar)
-    try:
-        while state.global_step < steps:
-            step = state.global_step + 1
-            micro = [collate([units[u] for u in idx], train_data, pad_id, config.packing)
-                     for idx in step_batches(len(units), config.per_device_batch_size,
-                                             config.gradient_accumulation_steps, config.seed, step)]
-            step_targets = sum(int(b.target_mask.sum()) for b in micro)  # collate zeroes position 0
-            loss_sum = entropy_sum = correct = 0.0
-            for batch in micro:
-                nll, stats = token_loss(model, batch)
-                (nll / step_targets).backward()
-                loss_sum += float(nll.detach())
-                entropy_sum += stats["entropy_sum"]
-                correct += stats["correct"]
-                state.num_tokens += batch.num_tokens
-            grad_norm = clip_and_step(model, optimizer, scheduler, config.max_grad_norm)
-            state.global_step = step
-            window.add({"loss": loss_sum / step_targets, "grad_norm": grad_norm,
-                        "entropy": entropy_sum / step_targets, "mean_token_accuracy": correct / step_targets})
-            logged = None
-            if step % config.logging_steps == 0 or step == steps:
-                logged = {**window.pop(), "learning_rate": scheduler.get_last_lr()[0],
-                          "num_tokens": float(state.num_tokens), "epoch": step * units_per_step / len(units)}
-                if eval_data and config.eval_steps and step % config.eval_steps == 0 and step != steps:
-                    logged.update(evaluate(model, eval_data, config.per_device_batch_size, pad_id))
-                tracker.log_metrics(logged, step)
-                run.last_metrics = logged
-            progress.update(step, logged)
-            if config.save_steps and step % config.save_steps == 0 and step != steps:
-                run.save("step")
-        progress.close()
+    run.tokenizer = tokenizer
+    with run.failing():
+        run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"examples": len(train_data)}),
+                    wrap=TargetLM)
+
+        # 3. The loop.
+        pad_id = tokenizer.pad_token_id
+        evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
+        while run.state.global_step < steps:
+            run.end_step(train_step(run, units, train_data, pad_id), len(units), evaluate_now)
 
         # 4. Final evaluation, samples and the model.
-        if eval_data:
-            final_eval = evaluate(model, eval_data, config.per_device_batch_size, pad_id)
-            tracker.log_metrics(final_eval, state.global_step)
-            run.last_metrics = {**run.last_metrics, **final_eval}
+        run.final_evaluation(evaluate_now)
         if config.num_sample_completions:
             prompts = _prompt_texts(eval_rows if eval_rows is not None else rows, tokenizer,
                                     config.num_sample_completions)
             if prompts:
-                completions = sample_completions(model, tokenizer, prompts, config.sample_max_new_tokens)
-                tracker.log_table({"prompt": prompts, "completion": completions}, "samples/completions.json")
-        run.last_metrics["train_runtime"] = time.perf_counter() - started
-        run.save("final")
-        tracker.log_dict(run.manifest(), ckpt.MANIFEST)
-        if config.mlflow_log_checkpoint and not is_remote(config.output_dir):
-            tracker.log_artifacts(config.output_dir, "checkpoint")
-        tracker.finish()
-    except BaseException:
-        progress.close()
-        tracker.finish("FAILED")
-        raise
-    log.info("SFT done in %.1fs; model saved to %s", time.perf_counter() - started, config.output_dir)
-    return str(Path(config.output_dir)) if not is_remote(config.output_dir) else config.output_dir
+                with run.gathered():
+                    completions = sample_completions(model, tokenizer, prompts, config.sample_max_new_tokens)
+                run.tracker.log_table({"prompt": prompts, "completion": completions}, "samples/completions.json")
+        return run.finish()

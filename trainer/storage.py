@@ -112,6 +112,27 @@ def remove(uri: str) -> None:
         fs.rm(uri, recursive=True)
 
 
+class StorageError(OSError):
+    """A storage location cannot be used; the message names it and what to check."""
+
+
+def check_writable(uri: str) -> None:
+    """Write and delete a small probe object under `uri`: a read-only or impossible path, an
+    unreachable S3 endpoint or wrong credentials fail here in seconds, not at the first save."""
+    import uuid
+
+    probe = join(uri, f".alignflow-write-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        write_text(probe, "alignflow checks that it can write here\n")
+        remove(probe)
+    except Exception as err:  # OSError, botocore's ClientError / EndpointConnectionError, ...
+        hint = ("check the S3 endpoint (AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY) and that the bucket exists" if is_remote(uri)
+                else "check that the folder can be created and written")
+        raise StorageError(f"Cannot write to output_dir {uri!r} ({type(err).__name__}: {str(err)[:200]}); {hint}.") \
+            from None
+
+
 def fingerprint(uri: str) -> str:
     """A short hash of what is stored at a file or folder/prefix, from the listing alone (no download):
     every file's relative name, size and version (the object store's ETag, a local file's mtime).

@@ -1,4 +1,4 @@
-"""GRPO on CUDA: the toy task of tests/unit/test_grpo.py with the hf engine, with in-process vLLM
+"""GRPO on CUDA: the toy task of tests/helpers.py with the hf engine, with in-process vLLM
 (colocated on the training GPU), and under DeepSpeed ZeRO-2 / ZeRO-3 through `accelerate launch`
 with the shipped configs (one process per GPU, at most two)."""
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.test_grpo_multiprocess import launch_grpo
-from tests.unit.test_grpo import grpo_config, prompts_file, rewards_of
+from tests.helpers import grpo_config, launch_grpo, prompts_file, rewards_of
 from trainer import checkpoint as ckpt
 from trainer.grpo import run_grpo
 

@@ -1,6 +1,6 @@
 """GRPO on two CPU processes under `accelerate launch`: every group stays whole on one rank, both ranks
 end with the same weights, rank 0 alone writes checkpoints and metrics, the toy reward of
-tests/unit/test_grpo.py rises, and a run resumed from a step checkpoint ends where the straight run ends.
+tests/helpers.py rises, and a run resumed from a step checkpoint ends where the straight run ends.
 
 `accelerate launch --cpu --num_processes 2` starts ONE process unless mpirun is configured, so
 the tests launch with `--multi_gpu` (torchrun underneath); without CUDA, trainer/distributed.py
@@ -9,10 +9,6 @@ in-process vLLM supports one process so far, and a vLLM sidecar per rank is too 
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,46 +16,18 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.unit.test_grpo import prompts_file
+from tests.helpers import LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS, launch_grpo, prompts_file
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError
-from trainer.distributed import RANK_REPORT_ENV, rank_prompts
-from trainer.grpo import GRPOConfig, _check_ranks
+from trainer.distributed import rank_prompts
+from trainer.grpo import GRPOConfig, check_ranks
 from trainer.loop import step_batches
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-G, PER_RANK_COMPLETIONS, STEPS = 8, 16, 20  # 2 prompts per rank per cycle, 4 per cycle in all
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-CPU_LAUNCH = ("--multi_gpu", "--num_processes", "2", "--mixed_precision", "no")
-
-
-def launch_grpo(model: str, dataset: str, out: Path, report_dir: Path, *extra: str,
-                launch: tuple[str, ...] = CPU_LAUNCH) -> subprocess.CompletedProcess:
-    """`accelerate launch [launch flags] -m trainer.cli train grpo` on the toy task, from the repository root."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-               "-m", "trainer.cli", "train", "grpo", "--model", model, "--dataset", dataset, "--output_dir", str(out),
-               "--reward_funcs", "tests.unit.test_grpo:target_frequency", "--num_generations", str(G),
-               "--per_device_batch_size", str(PER_RANK_COMPLETIONS), "--max_completion_length", "12",
-               "--max_prompt_length", "32", "--learning_rate", "2e-2", "--max_steps", str(STEPS),
-               "--logging_steps", "1", "--log_completions_steps", "0", "--disable_progress_bar", "true", *extra]
-    env = dict(os.environ)
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.update({RANK_REPORT_ENV: str(report_dir), "PYTHONUNBUFFERED": "1",
-                # No user-level `accelerate config` (default_config.yaml) may change the launch.
-                "HF_HOME": str(out.parent / "hf_home")})
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done
+# What launch_grpo runs: 2 prompts per rank per cycle, 4 per cycle in all.
+G, PER_RANK_COMPLETIONS, STEPS = LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +105,12 @@ def test_rank_prompts_are_disjoint_equal_and_unchanged_for_one_process():
 
 def test_several_ranks_reject_what_they_cannot_run(tiny_model, tmp_path):
     config = GRPOConfig(model=tiny_model, dataset="demo", per_device_batch_size=16, num_generations=8)
-    _check_ranks(config, world=1, num_prompts=1, deepspeed=False)
+    check_ranks(config, world=1, num_prompts=1)
     with pytest.raises(ConfigError, match="need at least 8 prompts"):
-        _check_ranks(config, world=4, num_prompts=6, deepspeed=False)
+        check_ranks(config, world=4, num_prompts=6)
     vllm = GRPOConfig(model=tiny_model, dataset="demo", rollout_engine="vllm")
     with pytest.raises(ConfigError, match="vllm-server"):
-        _check_ranks(vllm, world=2, num_prompts=100, deepspeed=False)
-    remote = GRPOConfig(model=tiny_model, dataset="demo", save_steps=5, output_dir="s3://bucket/run")
-    with pytest.raises(ConfigError, match="local"):
-        _check_ranks(remote, world=2, num_prompts=100, deepspeed=True)
+        check_ranks(vllm, world=2, num_prompts=100)
 
 
 def test_shipped_deepspeed_and_accelerate_configs_load():

@@ -1,8 +1,8 @@
-"""GRPO with vLLM rollouts (in-process and sidecar) learns the toy task of tests/unit/test_grpo.py."""
+"""GRPO with vLLM rollouts (in-process and sidecar) learns the toy task of tests/helpers.py."""
 
 import pytest
 
-from tests.unit.test_grpo import grpo_config, rewards_of
+from tests.helpers import grpo_config, rewards_of
 from trainer import checkpoint as ckpt
 from trainer.grpo import run_grpo
 

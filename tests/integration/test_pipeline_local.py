@@ -43,7 +43,7 @@ def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.Comp
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, mlflow_server, tmp_path):
+def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, mlflow_server, tmp_path, monkeypatch):
     s3_server = s3_env
     root = f"s3://{s3_server.bucket}/pipelines/{os.getpid()}"
     env = {**os.environ, **s3_server.env(), "MLFLOW_TRACKING_URI": mlflow_server, "PIPELINE_ROOT": root,
@@ -62,18 +62,24 @@ def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, ml
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = {r.data.tags["alignflow.stage"]: r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert set(children) >= {"sft", "reward", "grpo", "eval"}, sorted(children)
+    assert set(children) >= {"sft", "reward", "grpo", "eval", "promote"}, sorted(children)
     assert children["sft"].data.metrics["loss"] > 0 and "reward" in children["grpo"].data.metrics
     # Task outputs are in the bucket.
     objects = storage.filesystem(root).find(root)
     for suffix in ("sft/model/model.safetensors", "grpo/model/alignflow.json", "evaluate/results/metrics.json",
                    "reward-model/model/alignflow.complete"):
         assert any(o.endswith(suffix) for o in objects), f"{suffix} not in the bucket"
-    # The registered version carries the checkpoint files and the lineage tags.
+    # The registered version is an MLflow model with the lineage tags, logged by a promote run nested
+    # under the pipeline's run, and the champion serves chat requests through mlflow.pyfunc.
     version = client.get_model_version("pipeline-test", "1")
     assert version.tags["alignflow.promotion.promoted"] == "true" and "alignflow.pipeline_run" in version.tags
-    files = [a.path for a in client.list_artifacts(version.run_id, "checkpoint")]
-    assert any(f.endswith("model.safetensors") for f in files)
+    assert version.source.startswith("models:/m-") and children["promote"].info.run_id == version.run_id
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)  # pyfunc resolves models:/ through the global URI
+    champion = mlflow.pyfunc.load_model("models:/pipeline-test@champion")
+    (answer,) = champion.predict({"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 8})
+    assert isinstance(answer["choices"][0]["message"]["content"], str) and answer["usage"]["completion_tokens"] >= 1
 
     # An impossible gate: the candidate is evaluated but nothing is registered and the champion stays.
     second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, min_improvement=1e6)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_rollout import model_greedy, perturb
+from tests.helpers import model_greedy, perturb
 from trainer.rollout import SamplingConfig, make_engine
 
 # find_spec, not import: the test process itself never needs vllm, only the server does.

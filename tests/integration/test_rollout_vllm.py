@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.unit.test_rollout import forward_logprobs, model_greedy, perturb
+from tests.helpers import forward_logprobs, model_greedy, perturb
 from trainer.rollout import HFEngine, SamplingConfig
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'alignflow[cpu]')")

@@ -7,6 +7,7 @@ import warnings
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.helpers import write_jsonl
 from trainer import checkpoint as ckpt
 from trainer import storage
 from trainer.sft import SFTConfig, run_sft
@@ -25,9 +26,8 @@ def config(model: str, out: str, **overrides) -> SFTConfig:
 def test_checkpoints_and_data_on_s3_and_resume_from_there(tiny_model, s3_env, tmp_path):
     bucket = f"s3://{s3_env.bucket}"
     # Training data read from the bucket.
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "completion": f" {w}"}) + "\n"
-                            for w in ["red", "green", "blue", "cyan", "pink", "gold"] * 10))
+    data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Say {w}.", "completion": f" {w}"}
+                                                  for w in ["red", "green", "blue", "cyan", "pink", "gold"] * 10])
     s3 = storage.filesystem(bucket)
     s3.put_file(str(data), f"{bucket}/data/train.jsonl")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import CHART, by_kind, render_chart
+
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "alignflow"
 KUBE_VERSIONS = ["1.30.0", "1.33.0"]
 SECRETS = {"create": True, "s3": {"accessKeyId": "key", "secretAccessKey": "secret"},
            "mlflow": {"username": "admin", "password": "pw"}}
@@ -33,17 +33,6 @@ VALUE_SETS = {
 }
 
 
-def render(values: dict) -> list[dict]:
-    with helm.Chart.load(str(CHART)) as chart:
-        out = chart.render(values, name="rel", namespace="ml", is_install=True)
-    return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
-
-
-def by_kind(docs, kind):
-    return [d for d in docs if d["kind"] == kind]
-
-
 def pod_specs(docs):
     return [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job")]
 
@@ -58,7 +47,7 @@ def test_lint_is_clean():
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_every_manifest_validates_strictly(name, version):
-    docs = render(VALUE_SETS[name])
+    docs = render_chart(VALUE_SETS[name])
     assert docs
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
@@ -66,7 +55,7 @@ def test_every_manifest_validates_strictly(name, version):
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_pods_are_locked_down_and_request_resources(name):
-    for spec in pod_specs(render(VALUE_SETS[name])):
+    for spec in pod_specs(render_chart(VALUE_SETS[name])):
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] != 0
         for container in spec["containers"] + spec.get("initContainers", []):
@@ -77,17 +66,17 @@ def test_pods_are_locked_down_and_request_resources(name):
 
 
 def test_components_are_selectable():
-    default = render({})
+    default = render_chart({})
     assert [d["metadata"]["name"] for d in by_kind(default, "Deployment")] == ["rel-alignflow-mlflow"]
     assert not by_kind(default, "Secret")
-    full = render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"])
+    full = render_chart(VALUE_SETS["sqlite-seaweedfs-auth-schedule"])
     assert {d["metadata"]["name"] for d in by_kind(full, "Deployment")} == {
         "rel-alignflow-mlflow", "rel-alignflow-seaweedfs"}
     assert {d["metadata"]["name"] for d in by_kind(full, "Secret")} == {"alignflow-s3", "alignflow-mlflow"}
     s3 = next(d for d in by_kind(full, "Secret") if d["metadata"]["name"] == "alignflow-s3")
     assert s3["stringData"]["AWS_ENDPOINT_URL"] == "http://rel-alignflow-seaweedfs:8333"
     assert len(by_kind(full, "NetworkPolicy")) == 2
-    assert not by_kind(render(VALUE_SETS["postgresql-external-s3"]), "NetworkPolicy")
+    assert not by_kind(render_chart(VALUE_SETS["postgresql-external-s3"]), "NetworkPolicy")
 
 
 def mlflow_container(docs):
@@ -96,18 +85,18 @@ def mlflow_container(docs):
 
 
 def test_mlflow_backend_and_auth():
-    sqlite = mlflow_container(render({}))
+    sqlite = mlflow_container(render_chart({}))
     env = {e["name"]: e for e in sqlite["env"]}
     assert env["BACKEND_STORE_URI"]["value"] == "sqlite:////data/mlflow.db"
     assert "--app-name basic-auth" not in sqlite["args"][0]
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "alignflow-s3"
 
-    pg = mlflow_container(render(VALUE_SETS["postgresql-external-s3"]))
+    pg = mlflow_container(render_chart(VALUE_SETS["postgresql-external-s3"]))
     ref = {e["name"]: e for e in pg["env"]}["BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "alignflow-mlflow-db", "key": "uri"}
-    assert not by_kind(render(VALUE_SETS["postgresql-external-s3"]), "PersistentVolumeClaim")
+    assert not by_kind(render_chart(VALUE_SETS["postgresql-external-s3"]), "PersistentVolumeClaim")
 
-    auth = mlflow_container(render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))
+    auth = mlflow_container(render_chart(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))
     assert "--app-name basic-auth" in auth["args"][0]
     assert "MLFLOW_AUTH_CONFIG_PATH" in auth["args"][0]
 
@@ -120,7 +109,7 @@ def upload_config(docs) -> dict:
 
 
 def test_upload_job_carries_the_compiled_pipeline():
-    docs = render({})
+    docs = render_chart({})
     shipped = (CHART / "files" / "post_training.yaml").read_text()
     assert upload_config(docs)["post_training.yaml"].strip() == shipped.strip()
     job = by_kind(docs, "Job")[0]
@@ -139,10 +128,10 @@ def test_shipped_pipeline_equals_a_fresh_compile(tmp_path, monkeypatch):
 
 
 def test_recurring_run_comes_from_values():
-    settings = json.loads(upload_config(render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))["settings.json"])
+    settings = json.loads(upload_config(render_chart(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))["settings.json"])
     rr = settings["recurring_run"]
     assert rr["enabled"] is True and rr["cron"] == "0 30 2 * * 1" and rr["params"] == {"model_name": "m"}
-    assert json.loads(upload_config(render({}))["settings.json"])["recurring_run"]["enabled"] is False
+    assert json.loads(upload_config(render_chart({}))["settings.json"])["recurring_run"]["enabled"] is False
 
 
 def test_upload_script_against_a_fake_kfp(tmp_path, monkeypatch):
@@ -176,7 +165,7 @@ def test_upload_script_against_a_fake_kfp(tmp_path, monkeypatch):
         def create_recurring_run(self, **kwargs):
             calls.append(("schedule", kwargs))
 
-    data = upload_config(render(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))
+    data = upload_config(render_chart(VALUE_SETS["sqlite-seaweedfs-auth-schedule"]))
     for name, text in data.items():
         (tmp_path / name).write_text(text)
     monkeypatch.setitem(sys.modules, "kfp", types.SimpleNamespace(Client=FakeClient))

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers import write_jsonl
 from trainer.data import (
     DataError,
     demo_path,
@@ -38,7 +39,7 @@ def _write(path: Path, rows: list[dict]) -> str:
         with gzip.open(path, "wt") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
     elif name.endswith(".jsonl"):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(path, rows)
     elif name.endswith(".json"):
         path.write_text(json.dumps(rows))
     elif name.endswith(".parquet"):

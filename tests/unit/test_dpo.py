@@ -10,13 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.dpo as dpo
+from tests.helpers import history, write_jsonl
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError, parse_config
 from trainer.data import DataError, load_rows
-from trainer.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps, tokenize_pairs
+from trainer.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps
 from trainer.loop import step_batches
 from trainer.models import apply_lora, load_causal_lm, load_tokenizer
-from trainer.preferences import PreferenceText
+from trainer.preferences import PreferenceText, tokenize_dpo_pairs
 
 TRL_METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
@@ -28,10 +29,6 @@ def dpo_config(model: str, out: Path, **overrides) -> DPOConfig:
                   disable_progress_bar=True)
     values.update(overrides)
     return DPOConfig(**values)
-
-
-def history(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / ckpt.METRICS_FILE).read_text().splitlines()]
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -52,6 +49,7 @@ def count_model_loads(monkeypatch):
     return loads
 
 
+@pytest.mark.training
 def test_dpo_learns_to_prefer_chosen_on_held_out_pairs(tiny_model, tmp_path):
     out = tmp_path / "dpo"
     run_dpo(dpo_config(tiny_model, out, max_steps=120, logging_steps=10, eval_split_ratio=0.1))
@@ -92,7 +90,7 @@ def test_explicit_ref_model_scores_the_reference(tiny_model, tmp_path):
     tokenizer = load_tokenizer(tiny_model)
     data = load_split(load_rows("demo:preferences"), "demo", tokenizer, config)
     (indices,) = step_batches(len(data), 8, 1, config.seed, 1)
-    batch = collate(indices, data, tokenizer.pad_token_id)
+    batch = collate(data, indices, tokenizer.pad_token_id)
     with torch.no_grad():
         policy = sequence_logps(load_causal_lm(tiny_model), batch).logps[:8]
         ref = sequence_logps(load_causal_lm(other), batch).logps[:8]
@@ -101,11 +99,12 @@ def test_explicit_ref_model_scores_the_reference(tiny_model, tmp_path):
     assert history(out)[0]["rewards/chosen"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.training
 def test_lora_reference_is_the_base_model_and_lora_trains(tiny_model, tmp_path, count_model_loads):
     tokenizer = load_tokenizer(tiny_model)
     config = dpo_config(tiny_model, tmp_path)
     data = load_split(load_rows("demo:preferences").select(range(8)), "demo", tokenizer, config)
-    batch = collate(list(range(8)), data, tokenizer.pad_token_id)
+    batch = collate(data, list(range(8)), tokenizer.pad_token_id)
     policy = apply_lora(load_causal_lm(tiny_model), 8, 16, 0.0, ["all-linear"])
     with torch.no_grad():
         for name, param in policy.named_parameters():
@@ -113,7 +112,7 @@ def test_lora_reference_is_the_base_model_and_lora_trains(tiny_model, tmp_path, 
                 param.normal_(0, 0.5)  # a trained adapter: the policy now differs from its base
         base = sequence_logps(load_causal_lm(tiny_model), batch).logps
         adapted = sequence_logps(policy, batch).logps
-    ref = Reference(policy, adapter_disabled=True).compute(batch)
+    ref = Reference(policy, adapters=policy).compute(batch)
     assert not torch.allclose(adapted, base, atol=1e-3)
     torch.testing.assert_close(ref, base, atol=1e-5, rtol=1e-5)
 
@@ -166,8 +165,8 @@ def test_padding_free_batches_score_like_padded_ones(tiny_model, tmp_path):
     data = load_split(load_rows("demo:preferences").select(range(12)), "demo", tokenizer, dpo_config(tiny_model, tmp_path))
     data.prompt_ids[3] = []  # an empty prompt: the first reply token has nothing to be predicted from
     model = load_causal_lm(tiny_model)
-    padded = collate(list(range(12)), data, tokenizer.pad_token_id)
-    packed = collate(list(range(12)), data, tokenizer.pad_token_id, pack_to=128)
+    padded = collate(data, list(range(12)), tokenizer.pad_token_id)
+    packed = collate(data, list(range(12)), tokenizer.pad_token_id, pack_to=128)
     assert packed.input_ids.size(0) < 24 and packed.attention_mask is None
     assert packed.num_tokens == padded.num_tokens
     with torch.no_grad():
@@ -232,10 +231,9 @@ def test_sft_data_fails_before_the_model_loads(tiny_model, tmp_path, count_model
 
 
 def test_identical_pairs_are_dropped_with_a_warning(tiny_model, tmp_path, caplog):
-    path = tmp_path / "pairs.jsonl"
     rows = [{"prompt": "What is 2 plus 2?", "chosen": " 4.", "rejected": " 5."}] * 5
     rows += [{"prompt": "Say yes.", "chosen": " Yes.", "rejected": " Yes."}] * 3
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "dropped"
     with caplog.at_level(logging.WARNING, logger="trainer.preferences"):
         run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=1))
@@ -252,8 +250,8 @@ def test_tokenization_truncates_prompt_left_and_completion_per_mode(tiny_model, 
     long_ids = tokenizer(" yes " * 30, add_special_tokens=False)["input_ids"] + [eos]
 
     def run(mode):
-        return tokenize_pairs([pair], tokenizer, "t", chat=False, max_length=30, max_prompt_length=10,
-                              truncation_mode=mode, total_rows=1)
+        return tokenize_dpo_pairs([pair], tokenizer, "t", chat=False, max_length=30, max_prompt_length=10,
+                                  truncation_mode=mode, total_rows=1)
 
     with caplog.at_level(logging.WARNING):
         start = run("keep_start")
@@ -265,7 +263,7 @@ def test_tokenization_truncates_prompt_left_and_completion_per_mode(tiny_model, 
         run("drop")
     assert "lost their start" in caplog.text and "truncated" in caplog.text
     # Batches: chosen rows first, loss mask only on completion tokens.
-    batch = collate([0], start, tokenizer.pad_token_id)
+    batch = collate(start, [0], tokenizer.pad_token_id)
     assert batch.input_ids.shape == (2, 30)
     assert batch.completion_mask[0].tolist() == [0] * 10 + [1] * 20
     assert batch.completion_mask[1].tolist() == [0] * 10 + [1] * len(start.rejected_ids[0]) + [0] * (
@@ -278,7 +276,7 @@ def test_chat_pairs_train(tiny_model, tmp_path):
     row = {"prompt": [{"role": "user", "content": "Capital of Peru?"}],
            "chosen": [{"role": "assistant", "content": "Lima."}],
            "rejected": [{"role": "assistant", "content": "Paris."}]}
-    path.write_text(json.dumps(row) + "\n")
+    write_jsonl(path, [row])
     out = tmp_path / "chat"
     run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=5, per_device_batch_size=1))
     tokenizer = load_tokenizer(tiny_model)

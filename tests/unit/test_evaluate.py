@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import write_jsonl
 from trainer.config import ConfigError, parse_config
 from trainer.data import DataError
 from trainer.evaluate import EvalConfig, mean_kl, run_evaluate, win_rates
@@ -77,23 +78,18 @@ def judge(tiny_model, tmp_path_factory) -> str:
     return _save(model, tokenizer, tmp_path_factory.mktemp("judge"))
 
 
-def _jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def gsm_like(tmp_path_factory) -> str:
     rows = [{"prompt": "Q1 Answer:", "answer": "so 7\n#### 7"},
             {"prompt": "Q2 Answer:", "answer": "#### 8"},
             {"prompt": "Q3 Answer:", "answer": "#### 7"}]
-    return _jsonl(tmp_path_factory.mktemp("data") / "gsm.jsonl", rows)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "gsm.jsonl", rows)
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
     rows = [{"prompt": p} for p in ("Hello there", "Name a colour.", "What is 2 + 2?", "Tell me about rivers")]
-    return _jsonl(tmp_path_factory.mktemp("data") / "prompts.jsonl", rows)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "prompts.jsonl", rows)
 
 
 # Reward functions imported by path (TRL signature), as a user's own module would provide them.
@@ -170,7 +166,7 @@ def test_chat_prompts_get_chat_completions(answers_seven, tmp_path):
     """A chat prompt is rendered with the template, and reward functions receive
     [{"role": "assistant", "content": ...}] completions, as in TRL."""
     SEEN.clear()
-    data = _jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "Hi"}]}])
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "Hi"}]}])
     run_evaluate(_config(tmp_path, model=answers_seven, dataset=data, max_completion_length=2,
                          reward_funcs=["tests.unit.test_evaluate:record_completions"]))
     assert len(SEEN) == 1 and SEEN[0][0]["role"] == "assistant" and isinstance(SEEN[0][0]["content"], str)
@@ -259,7 +255,7 @@ def no_generation(monkeypatch):
 
 
 def test_missing_prompt_column(tiny_model, tmp_path, no_generation):
-    data = _jsonl(tmp_path / "bad.jsonl", [{"question": "hi", "answer": "#### 1"}])
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "hi", "answer": "#### 1"}])
     with pytest.raises(DataError, match="`prompt` column"):
         run_evaluate(_config(tmp_path, model=tiny_model, dataset=data))
 

@@ -1,8 +1,10 @@
-"""Gated promotion in an embedded MLflow registry (sqlite): champion, gate, previous-champion, rollback."""
+"""Gated promotion in an embedded MLflow registry (sqlite): champion, gate, previous-champion, rollback,
+the champion as an MLflow model, and promotion that claims nothing when the alias does not move."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -96,7 +98,10 @@ def test_version_tags_and_artifacts(uri, client, tmp_path):
     assert tags["alignflow.dataset.train.fingerprint"] == "fp-a" and tags["alignflow.dataset.train.rows"] == "100"
     assert tags["alignflow.base_model"] == "outputs/sft" and tags["alignflow.stage"] == "grpo"
     assert tags["pipeline"] == "nightly" and tags["alignflow.promotion.gate_metric"] == "reward"
+    assert tags["alignflow.promotion.promoted"] == "true"
+    # Stand-in weights are no causal LM: the version is the checkpoint's files, not an MLflow model.
     assert version.source == f"runs:/{version.run_id}/checkpoint"
+    assert tags["alignflow.model_format"] == "checkpoint-files"
     run = client.get_run(version.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["alignflow.stage"] == "promote"
     assert run.data.metrics == {"reward": 0.5, "kl": 0.01}
@@ -162,6 +167,75 @@ def test_register_from_a_runs_logged_checkpoint(uri, client, tmp_path):
     empty = client.create_run(experiment)
     with pytest.raises(RegistryError, match="no checkpoint"):
         register_checkpoint(name, None, {"reward": 1.0}, run_id=empty.info.run_id, tracking_uri=uri)
+
+
+def _tiny_checkpoint(tiny_model: str, folder: Path, tag: str) -> str:
+    shutil.copytree(tiny_model, folder)
+    (folder / ckpt.MANIFEST).write_text(json.dumps({
+        "stage": "dpo", "base_model": "tiny-base", "metrics": {"reward": 0.5},
+        "datasets": {"train": {"path": "pairs.jsonl", "fingerprint": f"fp-{tag}", "rows": 8}}}))
+    (folder / ckpt.METRICS_FILE).write_text('{"step": 1, "loss": 0.7}\n')
+    (folder / ckpt.STATE_DIR).mkdir()
+    (folder / ckpt.STATE_DIR / "optimizer.pt").write_bytes(b"big")
+    (folder / ckpt.COMPLETE_MARKER).write_text("{}")
+    return str(folder)
+
+
+def test_champion_is_an_mlflow_model(uri, client, tiny_model, tmp_path, monkeypatch):
+    """The registered version is a transformers-flavour LoggedModel: pyfunc loads `@champion` and chats."""
+    import mlflow
+    from mlflow.models import Model
+
+    name = _name()
+    parent_experiment = client.create_experiment(f"pipeline-{name}", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(parent_experiment, run_name="pipeline").info.run_id
+    result = promote(name, _tiny_checkpoint(tiny_model, tmp_path / "a", "a"), {"reward": 0.5}, tracking_uri=uri,
+                     parent_run_id=parent)
+    version = client.get_model_version(name, result.version)
+    assert version.source.startswith("models:/m-") and version.tags["alignflow.model_format"] == "mlflow-transformers"
+    assert version.tags["alignflow.promotion.promoted"] == "true"
+    promote_run = client.get_run(version.run_id)
+    assert promote_run.data.tags["mlflow.parentRunId"] == parent  # nested under the pipeline's run
+    assert [o.model_id for o in promote_run.outputs.model_outputs] == [version.source[len("models:/"):]]
+
+    local = Path(download_champion(name, str(tmp_path / "download"), uri))
+    assert local.name == "model" and (local / "config.json").is_file() and (local / ckpt.MANIFEST).is_file()
+    assert not (local / ckpt.STATE_DIR).exists() and not (local / ckpt.COMPLETE_MARKER).exists()
+    mlmodel = Model.load(str(local.parent / "MLmodel"))
+    assert mlmodel.flavors["transformers"]["inference_task"] == "llm/v1/chat"
+    assert mlmodel.signature is not None and mlmodel.saved_input_example_info is not None
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    (answer,) = model.predict({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+    assert answer["object"] == "chat.completion" and answer["model"] == name
+    assert isinstance(answer["choices"][0]["message"]["content"], str)
+    assert answer["usage"]["completion_tokens"] >= 1
+
+
+def test_alias_failure_leaves_no_false_record(uri, client, tmp_path, monkeypatch):
+    """The alias call fails after the version exists: no promoted=true tag, aliases as before, one line."""
+    from mlflow import MlflowClient
+
+    name = _name()
+    promote(name, fake_checkpoint(tmp_path / "a", "a"), {"reward": 0.5}, tracking_uri=uri)
+    real = MlflowClient.set_registered_model_alias
+
+    def refuse_champion(self, model_name, alias, version):
+        if alias == CHAMPION:
+            raise ConnectionError("server went away\nmid-call")
+        return real(self, model_name, alias, version)
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", refuse_champion)
+    with pytest.raises(RegistryError) as err:
+        promote(name, fake_checkpoint(tmp_path / "b", "b"), {"reward": 0.9}, tracking_uri=uri)
+    message = str(err.value)
+    assert "\n" not in message and "moving @champion failed" in message and "server went away" in message
+    assert "@champion stays 1" in message and "promoted=false" in message
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", real)
+    tags = client.get_model_version(name, "2").tags
+    assert tags["alignflow.promotion.promoted"] == "false" and "server went away" in tags["alignflow.promotion.error"]
+    assert _aliases(client, name) == {CHAMPION: "1"}  # @previous-champion was put back (it did not exist)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import history, write_jsonl
 from trainer import checkpoint as ckpt
 from trainer import reward
 from trainer.data import DataError
 from trainer.models import load_tokenizer
-from trainer.reward import RewardConfig, reward_texts, run_reward
+from trainer.preferences import reward_texts
+from trainer.reward import RewardConfig, run_reward
 from trainer.rewards import RewardModelScorer
 
 FILLER = ("apple river stone cloud green music paper light table window garden silver orange yellow bread "
@@ -40,20 +42,11 @@ def agreement_pairs(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def rm_config(model: str, dataset: str, out: Path, **overrides) -> RewardConfig:
     values = dict(model=model, dataset=dataset, output_dir=str(out), max_steps=60, per_device_batch_size=16,
                   learning_rate=3e-3, logging_steps=10, max_length=64, disable_progress_bar=True)
     values.update(overrides)
     return RewardConfig(**values)
-
-
-def history(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / ckpt.METRICS_FILE).read_text().splitlines()]
 
 
 def ranking_accuracy(scorer: RewardModelScorer, rows: list[dict]) -> float:
@@ -83,6 +76,7 @@ def trained_rm(tiny_model, agreement_data, tmp_path_factory) -> Path:
 # Learning and the saved model
 
 
+@pytest.mark.training
 def test_learns_held_out_preferences_with_trl_metric_names(trained_rm):
     records = history(trained_rm)
     for key in ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "grad_norm",
@@ -106,6 +100,7 @@ def test_the_task_is_not_solved_before_training(tiny_model, agreement_data):
     assert ranking_accuracy(RewardModelScorer(tiny_model), agreement_data["test_rows"]) < 0.75
 
 
+@pytest.mark.training
 def test_checkpoint_is_a_plain_reward_model(trained_rm, agreement_data):
     """transformers alone loads it (head, pad id, tokenizer with pad) and scores like the scorer does."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -139,6 +134,7 @@ def test_causal_lm_without_pad_id_in_its_config_gets_the_tokenizers(tiny_model, 
     assert json.loads((out / "config.json").read_text())["pad_token_id"] == load_tokenizer(str(base)).pad_token_id
 
 
+@pytest.mark.training
 def test_scorer_ranks_held_out_chosen_above_rejected(trained_rm, agreement_data):
     scorer = RewardModelScorer(str(trained_rm), batch_size=7)
     assert ranking_accuracy(scorer, agreement_data["test_rows"]) >= 0.9
@@ -174,6 +170,7 @@ def test_margin_values_must_be_numbers(tiny_model, tmp_path):
         run_reward(rm_config(tiny_model, data, tmp_path / "out"))
 
 
+@pytest.mark.training
 def test_centring_pulls_mean_reward_to_zero(trained_bert, agreement_data, tmp_path):
     """The trained tiny BERT's rewards average about 3: its head bias starts at 3 and Bradley–Terry, which only
     sees differences, gives a shared offset no gradient. Training on with the centring term (TRL's suggested
@@ -241,6 +238,7 @@ def test_resume_gives_the_same_model_as_an_uninterrupted_run(tiny_model, agreeme
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.training
 def test_lora_trains_adapters_and_the_head(tiny_model, agreement_data, tmp_path):
     out = tmp_path / "lora"
     run_reward(rm_config(tiny_model, agreement_data["train"], out, eval_dataset=agreement_data["test"], lora_r=8,
@@ -329,6 +327,7 @@ def trained_bert(tiny_bert, agreement_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.training
 def test_encoder_without_eos_trains_and_scores(tiny_bert, trained_bert, agreement_data):
     tokenizer = load_tokenizer(tiny_bert)
     assert tokenizer.eos_token is None

@@ -9,20 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.helpers import forward_logprobs, model_greedy, perturb
 from trainer.rollout import Completion, HFEngine, RolloutEngine, SamplingConfig, make_engine
 from trainer.rollout.base import fill_to_n, truncate_at_stop
 
 MAX_NEW = 16
-
-
-def perturb(model, seed: int, scale: float = 0.3) -> None:
-    """Add seeded noise to every weight: a random-init tiny model only repeats its last token."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +32,6 @@ def prompts(policy) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     vocab = policy[0].config.vocab_size
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (3, 9, 20)]
-
-
-def forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0,
-                     top_k: int | None = None) -> torch.Tensor:
-    """log p(completion[t] | prompt, completion[:t]) from one plain forward pass. -> [L]"""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature  # [L, V]
-    if top_k is not None:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def model_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain `model.generate` on one unpadded prompt, no stop token."""
-    with torch.no_grad():
-        out = model.eval().generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    model.train()
-    return out[0, len(prompt):].tolist()
 
 
 # -- the interface ------------------------------------------------------------------------------
@@ -215,14 +186,14 @@ def test_hf_engine_is_a_context_manager_with_noop_lifecycle(policy, prompts):
 
 
 def test_vllm_engines_know_which_weights_a_sync_needs(tiny_model, policy):
-    from trainer.rollout.vllm_engine import _check_complete, _checkpoint_weight_names
+    from trainer.rollout.vllm_engine import check_complete, checkpoint_weight_names
 
     model, _ = policy
-    names = _checkpoint_weight_names(tiny_model)
+    names = checkpoint_weight_names(tiny_model)
     assert names and names <= set(model.state_dict())  # the tied lm_head is not stored
-    _check_complete(model.state_dict(), names)
+    check_complete(model.state_dict(), names)
     with pytest.raises(ValueError, match="2 missing"):
-        _check_complete([n for n in model.state_dict() if "layers.0.mlp.up_proj" not in n and n != "model.norm.weight"],
+        check_complete([n for n in model.state_dict() if "layers.0.mlp.up_proj" not in n and n != "model.norm.weight"],
                         names)
 
 
@@ -249,14 +220,14 @@ def test_vllm_reload_drops_only_the_benign_rotary_warning():
 
 
 def test_vllm_request_seeds_never_repeat_across_steps_prompts_and_samples():
-    from trainer.rollout.vllm_engine import _request_seed
+    from trainer.rollout.vllm_engine import request_seed
 
     per_sample = set()
     for step_seed in range(5):  # e.g. seed = config.seed + step
         sampling = SamplingConfig(max_new_tokens=4, n=8, seed=step_seed)
         for prompt in range(16):
-            first = _request_seed(sampling, prompt, per_request_seeds=True)
+            first = request_seed(sampling, prompt, per_request_seeds=True)
             per_sample.update(first + j for j in range(sampling.n))  # vLLM's child seeds
     assert len(per_sample) == 5 * 16 * 8
-    assert _request_seed(SamplingConfig(max_new_tokens=4), 3, per_request_seeds=True) is None
-    assert _request_seed(SamplingConfig(max_new_tokens=4, seed=1), 3, per_request_seeds=False) is None  # CPU
+    assert request_seed(SamplingConfig(max_new_tokens=4), 3, per_request_seeds=True) is None
+    assert request_seed(SamplingConfig(max_new_tokens=4, seed=1), 3, per_request_seeds=False) is None  # CPU

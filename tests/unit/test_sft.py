@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import history
 from trainer import checkpoint as ckpt
 from trainer.config import parse_config
 from trainer.data import load_rows, tokenize_sft
@@ -23,10 +24,7 @@ def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
     return SFTConfig(**values)
 
 
-def history(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / ckpt.METRICS_FILE).read_text().splitlines()]
-
-
+@pytest.mark.training
 def test_loss_falls_and_final_checkpoint_is_complete(tiny_model, tmp_path):
     out = tmp_path / "sft"
     run_sft(sft_config(tiny_model, out, eval_split_ratio=0.1, num_sample_completions=2))
@@ -67,11 +65,12 @@ def test_packed_rows_do_not_attend_across_examples(tiny_model):
     data = tokenize_sft(load_rows("demo").select(range(6)), tokenizer, "demo", 128, "keep_start")
     pad = tokenizer.pad_token_id
     with torch.no_grad():
-        unpacked, _ = token_loss(model, collate([[i] for i in range(6)], data, pad, packed=False))
-        packed, _ = token_loss(model, collate([[0, 1, 2], [3, 4, 5]], data, pad, packed=True))
+        unpacked, _ = token_loss(model, collate(data, [[i] for i in range(6)], pad, packed=False))
+        packed, _ = token_loss(model, collate(data, [[0, 1, 2], [3, 4, 5]], pad, packed=True))
     torch.testing.assert_close(packed, unpacked, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.training
 def test_packing_trains(tiny_model, tmp_path):
     out = tmp_path / "packed"
     run_sft(sft_config(tiny_model, out, packing=True, per_device_batch_size=2, max_length=256, max_steps=30))
@@ -79,6 +78,7 @@ def test_packing_trains(tiny_model, tmp_path):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+@pytest.mark.training
 def test_chat_data_trains_on_assistant_turns(tiny_model, tmp_path):
     out = tmp_path / "chat"
     run_sft(sft_config(tiny_model, out, dataset="demo:chat", max_length=256, max_steps=30))
@@ -86,6 +86,7 @@ def test_chat_data_trains_on_assistant_turns(tiny_model, tmp_path):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+@pytest.mark.training
 def test_lora_trains_adapter_and_saves_merged_copy(tiny_model, tmp_path):
     out = tmp_path / "lora"
     run_sft(sft_config(tiny_model, out, lora_r=8, lora_alpha=16, lora_merge_on_save=True, learning_rate=1e-2,

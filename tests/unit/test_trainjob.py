@@ -533,9 +533,9 @@ def test_follower_thread_stops():
 def test_chart_role_allows_what_submit_and_wait_calls():
     """The chart's Role grants every call above, to the ServiceAccounts KFP runs pipeline steps as."""
     pytest.importorskip("helm_python")
-    from tests.unit.test_chart import by_kind, render
+    from tests.helpers import by_kind, render_chart
 
-    docs = render({})
+    docs = render_chart({})
     (role,) = by_kind(docs, "Role")
     verbs = {
         (group, resource): set(rule["verbs"])

@@ -19,16 +19,18 @@ __all__ = ["ENGINE_KINDS", "Completion", "HFEngine", "RolloutEngine", "SamplingC
 
 def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: int, dtype: str = "float32",
                 seed: int = 0, gpu_memory_utilization: float = 0.3, server_devices: str | None = None,
-                server_port: int | None = None, server_timeout_s: float = 300) -> RolloutEngine:
+                server_port: int | None = None, server_timeout_s: float = 300,
+                synced_gpus: bool = False) -> RolloutEngine:
     """Build a rollout engine.
 
     `model` / `tokenizer` serve the ``hf`` engine; the vLLM engines load `model_path` (an HF
     folder with config, weights and tokenizer) and then receive weights through sync_weights().
     `seed` seeds the engine's own random stream (SamplingConfig.seed=None continues it).
     `server_devices` is the sidecar's CUDA_VISIBLE_DEVICES (e.g. "1"); None inherits the variable.
+    `synced_gpus`: the hf engine's ranks step together (DeepSpeed ZeRO-3 on several ranks).
     """
     if kind == "hf":
-        return HFEngine(model, tokenizer, seed=seed, max_model_len=max_model_len)
+        return HFEngine(model, tokenizer, seed=seed, max_model_len=max_model_len, synced_gpus=synced_gpus)
     if kind not in ("vllm", "vllm-server"):
         raise ValueError(f"unknown rollout engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")
     from trainer.rollout import vllm_engine

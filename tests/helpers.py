@@ -1,0 +1,198 @@
+"""Helpers shared by the test modules (as torchtune's tests/test_utils.py).
+
+Test modules import from here and never from each other. The stages (and with them
+transformers) and helm are imported inside the helpers that need them, so that importing this
+module stays cheap for the tests that use none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- files and metrics --------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Write `rows` as JSON lines; returns the path as a string (what a config's `dataset` takes)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def history(out: Path | str) -> list[dict]:
+    """The metric records a stage wrote to its output folder; fails when it wrote none."""
+    records = ckpt.read_history(str(out))
+    assert records, f"no {ckpt.METRICS_FILE} records in {out}"
+    return records
+
+
+# -- the GRPO toy task --------------------------------------------------------------------------
+
+TARGET = "a"
+
+
+def target_frequency(prompts, completions, **_):
+    """Toy reward a tiny random model can learn: the share of the completion's non-space characters that are 'a'.
+
+    Stages load it by its import path, `tests.helpers:target_frequency` (also in subprocesses).
+    """
+    letters = [c.replace(" ", "") for c in completions]
+    return [t.count(TARGET) / max(len(t), 1) for t in letters]
+
+
+def prompts_file(path: Path, n: int = 16, chat: bool = False) -> str:
+    """`n` prompts for the toy task, text or chat, each with an extra `target` column."""
+    rows = []
+    for i in range(n):
+        prompt = f"Write something about item {i}."
+        rows.append({"prompt": [{"role": "user", "content": prompt}] if chat else prompt, "target": "a"})
+    return write_jsonl(path, rows)
+
+
+def grpo_config(model: str, tmp_path: Path, **overrides):
+    """A GRPOConfig for the toy task, writing to `tmp_path / "out"`."""
+    from trainer.grpo import GRPOConfig
+
+    values = dict(model=model, dataset=prompts_file(tmp_path / "prompts.jsonl"), output_dir=str(tmp_path / "out"),
+                  reward_funcs=[f"{__name__}:target_frequency"], num_generations=8, per_device_batch_size=16,
+                  max_completion_length=12, max_prompt_length=32, learning_rate=1e-2, max_steps=6, beta=0.0,
+                  temperature=1.0, disable_progress_bar=True, log_completions_steps=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def rewards_of(out: Path) -> list[float]:
+    return [r["reward"] for r in ckpt.read_history(str(out)) if "reward" in r]
+
+
+# -- the toy task under `accelerate launch` -----------------------------------------------------
+
+# What `launch_grpo` runs: G completions per prompt, completions per rank per step (2 prompts per
+# rank per cycle), optimizer steps.
+LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS = 8, 16, 20
+CPU_LAUNCH = ("--multi_gpu", "--num_processes", "2", "--mixed_precision", "no")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_grpo(model: str, dataset: str, out: Path, report_dir: Path, *extra: str,
+                launch: tuple[str, ...] = CPU_LAUNCH) -> subprocess.CompletedProcess:
+    """`accelerate launch [launch flags] -m trainer.cli train grpo` on the toy task, from the repository root."""
+    from trainer.distributed import RANK_REPORT_ENV
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
+               "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+               "-m", "trainer.cli", "train", "grpo", "--model", model, "--dataset", dataset, "--output_dir", str(out),
+               "--reward_funcs", "tests.helpers:target_frequency", "--num_generations", str(LAUNCH_G),
+               "--per_device_batch_size", str(LAUNCH_PER_RANK_COMPLETIONS), "--max_completion_length", "12",
+               "--max_prompt_length", "32", "--learning_rate", "2e-2", "--max_steps", str(LAUNCH_STEPS),
+               "--logging_steps", "1", "--log_completions_steps", "0", "--disable_progress_bar", "true", *extra]
+    env = dict(os.environ)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.update({RANK_REPORT_ENV: str(report_dir), "PYTHONUNBUFFERED": "1",
+                # No user-level `accelerate config` (default_config.yaml) may change the launch.
+                "HF_HOME": str(out.parent / "hf_home")})
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+# -- rollouts: references the engines are compared against --------------------------------------
+
+
+def perturb(model, seed: int, scale: float = 0.3) -> None:
+    """Add seeded noise to every weight: a random-init tiny model only repeats its last token."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0,
+                     top_k: int | None = None) -> torch.Tensor:
+    """log p(completion[t] | prompt, completion[:t]) from one plain forward pass. -> [L]"""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature  # [L, V]
+    if top_k is not None:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def model_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain `model.generate` on one unpadded prompt, no stop token."""
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    model.train()
+    return out[0, len(prompt):].tolist()
+
+
+# -- the Helm chart -----------------------------------------------------------------------------
+
+CHART = ROOT / "charts" / "alignflow"
+
+
+def render_chart(values: dict) -> list[dict]:
+    """The chart's manifests for `values` (helm-python-sdk; skip the test where it is missing)."""
+    import helm_python as helm
+    import yaml
+
+    with helm.Chart.load(str(CHART)) as chart:
+        out = chart.render(values, name="rel", namespace="ml", is_install=True)
+    return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# -- several ranks ------------------------------------------------------------------------------
+
+DEMO_DATA = ROOT / "trainer" / "demo_data"
+
+
+def train_cli(stage: str, *args: str, timeout: float = 900, env: dict | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m trainer.cli train STAGE ARGS` from the repository root (`--num_processes` in ARGS
+    makes it start the ranks through `accelerate launch`); fails with the output's tail unless it exits 0."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run([sys.executable, "-m", "trainer.cli", "train", stage, *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert done.returncode == 0, f"train {stage} failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
+                                     f"{done.stderr[-6000:]}"
+    return done
+
+
+def weights(folder: Path | str) -> dict[str, torch.Tensor]:
+    """The trained tensors of a checkpoint: the LoRA adapter when there is one, else the model."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    adapter = folder / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else folder / "model.safetensors")
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b), f"different tensors: {sorted(set(a) ^ set(b))[:5]}"
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

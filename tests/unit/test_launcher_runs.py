@@ -1,0 +1,122 @@
+"""The pipeline's MLflow parent run (start / find / finish tasks) and the promote run nested under it,
+against an embedded sqlite store."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from components import launcher
+from trainer import checkpoint as ckpt
+from trainer.config import TrainConfig
+from trainer.tracking import Tracker
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('runs') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def client(uri, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("ALIGNFLOW_MLFLOW_EXPERIMENT", f"pipelines-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    monkeypatch.delenv("MLFLOW_PARENT_RUN_ID", raising=False)
+    return MlflowClient(uri, registry_uri=uri)
+
+
+def _in_run(monkeypatch) -> str:
+    """Be inside a new pipeline run: its id in the environment, as KFP's pod label gives every task."""
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("ALIGNFLOW_PIPELINE_RUN_ID", run_id)
+    return run_id
+
+
+def _stage_tracker(uri: str, parent: str, stage: str) -> Tracker:
+    return Tracker(TrainConfig(model="tiny", dataset="demo", mlflow_tracking_uri=uri, mlflow_parent_run_id=parent),
+                   stage)
+
+
+def test_start_is_idempotent_and_findable_by_the_run_id(client, monkeypatch):
+    run = _in_run(monkeypatch)
+    first = launcher.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"})
+    assert first and launcher.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"}) == first
+    assert launcher.find_pipeline_run() == first and launcher.parent_run_id() == first
+    assert client.get_run(first).info.status == "RUNNING"
+    assert client.get_run(first).data.tags["alignflow.pipeline_run_id"] == run
+    # Another run with the same display name (KFP does not make names unique) gets its own parent.
+    _in_run(monkeypatch)
+    assert launcher.find_pipeline_run() == ""
+    second = launcher.start_pipeline_run("post-training", "nightly", {})
+    assert second and second != first
+    monkeypatch.delenv("ALIGNFLOW_PIPELINE_RUN_ID")
+    assert launcher.find_pipeline_run() == "" and launcher.parent_run_id() == ""  # outside a pipeline run
+
+
+def test_a_stage_opens_the_parent_when_start_run_could_not(client, monkeypatch):
+    _in_run(monkeypatch)
+    parent = launcher.parent_run_id()  # what train_stage calls
+    assert parent and launcher.parent_run_id() == parent
+    assert client.get_run(parent).data.tags["alignflow.stage"] == "pipeline"
+
+
+def test_finish_kills_children_left_running(uri, client, caplog, monkeypatch):
+    run = _in_run(monkeypatch)
+    parent = launcher.start_pipeline_run("post-training", run, {})
+    done = _stage_tracker(uri, parent, "sft")
+    done.log_metrics({"loss": 1.0}, step=1)
+    done.finish()
+    dead = _stage_tracker(uri, parent, "dpo")  # its process "died": never finished
+    dead.log_metrics({"loss": 1.0}, step=1)
+
+    launcher.finish_pipeline_run(run)
+    assert client.get_run(done.run_id).info.status == "FINISHED"
+    killed = client.get_run(dead.run_id)
+    assert killed.info.status == "KILLED" and "finish-run" in killed.data.tags["alignflow.ended_by"]
+    assert client.get_run(parent).info.status == "FAILED"  # a stage's last run died
+    assert dead.run_id in caplog.text
+
+
+def test_finish_follows_the_pipeline_state_and_retried_stages(uri, client, monkeypatch):
+    run = _in_run(monkeypatch)
+    parent = launcher.start_pipeline_run("post-training", run, {})
+    failed = _stage_tracker(uri, parent, "sft")
+    failed.finish("FAILED")
+    retried = _stage_tracker(uri, parent, "sft")  # the retry started a new run, which finished
+    retried.finish()
+    launcher.finish_pipeline_run(run)
+    assert client.get_run(parent).info.status == "FINISHED"
+
+    cancelled = _in_run(monkeypatch)
+    other = launcher.start_pipeline_run("post-training", cancelled, {})
+    launcher.finish_pipeline_run(cancelled, pipeline_state="CANCELED")
+    assert client.get_run(other).info.status == "KILLED"
+
+
+def test_promote_run_sits_under_the_pipeline_run(client, tmp_path, monkeypatch):
+    run = _in_run(monkeypatch)
+    parent = launcher.start_pipeline_run("post-training", run, {})
+    model = tmp_path / "policy"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / ckpt.COMPLETE_MARKER).write_text("{}")
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "metrics.json").write_text(json.dumps({"reward": 0.4}))
+    name = f"policy-{uuid.uuid4().hex[:6]}"
+
+    version = launcher.promote_stage(model_in=str(model), results=str(results), model_name=name, gate_metric="reward",
+                                     min_improvement=0.0, pipeline_run=run,
+                                     report_out=SimpleNamespace(path=str(tmp_path / "report.html")))
+    promote_run = client.get_run(client.get_model_version(name, version).run_id)
+    assert promote_run.data.tags["mlflow.parentRunId"] == parent
+    assert promote_run.data.tags["alignflow.stage"] == "promote"
+    assert "version 1" in Path(tmp_path / "report.html").read_text()

@@ -1,0 +1,130 @@
+"""Completions as training rows: the rollout batch and its per-token log-probs.
+
+GRPO (and PPO) train on the completions a rollout engine generated; `trainer.evaluate` scores
+the same rows. `build_batch` lays a cycle's completions out as [left-padded prompt |
+right-padded completion] rows, grouped so that rows g*G .. g*G+G-1 share prompt g, and
+`token_logps` gathers the trainer's log-probs of the completion tokens, running each group's
+prompt once when it can (`trainer.attention.share_prompts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from trainer.attention import SHARED_ATTENTION, register_shared_attention, share_prompts
+from trainer.data import is_conversational, render_chat
+from trainer.logprobs import entropy, selective_log_softmax, target_logits, to_padded
+
+
+def prompt_token_ids(prompt, tokenizer, max_prompt_length: int | None = None) -> list[int]:
+    """Tokenize a text or chat prompt; with `max_prompt_length`, keep its last that many tokens (left truncation)."""
+    if is_conversational(prompt):
+        text = render_chat(tokenizer, prompt, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    return ids[-max_prompt_length:] if max_prompt_length else ids
+
+
+@dataclass
+class RolloutBatch:
+    """One cycle's completions, grouped: rows g*G .. g*G+G-1 share prompt g."""
+
+    input_ids: torch.Tensor  # [N, P+C] prompt left-padded, completion right-padded
+    attention_mask: torch.Tensor  # [N, P+C]
+    completion_mask: torch.Tensor  # [N, P+C] 1 on completion tokens up to and including eos
+    rollout_logps: torch.Tensor  # [N, P+C] engine log-probs at completion tokens (0 elsewhere)
+    completion_lengths: torch.Tensor  # [N]
+    truncated: torch.Tensor  # [N] bool, hit max_completion_length without eos
+    prompt_width: int  # P: columns [0, P) hold the prompt
+
+    def to(self, device) -> RolloutBatch:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+
+def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> RolloutBatch:
+    rows = [(p, c) for p, group in zip(prompt_ids, completions) for c in group]
+    p_width = max(len(p) for p, _ in rows)
+    c_width = max(max(len(c.token_ids) for _, c in rows), 1)
+    n = len(rows)
+    input_ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros_like(input_ids)
+    rollout_logps = torch.zeros(input_ids.shape)
+    lengths = torch.zeros(n, dtype=torch.long)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        start = p_width - len(p)
+        input_ids[i, start:p_width] = torch.tensor(p)
+        attention[i, start:p_width] = 1
+        k = len(c.token_ids)
+        if k:
+            input_ids[i, p_width:p_width + k] = torch.tensor(c.token_ids)
+            attention[i, p_width:p_width + k] = 1
+            completion_mask[i, p_width:p_width + k] = 1
+            rollout_logps[i, p_width:p_width + k] = torch.tensor(c.logprobs, dtype=torch.float)
+        lengths[i] = k
+        truncated[i] = c.finish_reason == "length"
+    return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated, p_width)
+
+
+def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = False, group_size: int = 0):
+    """Per-token log-probs of the completion tokens of `batch.input_ids[rows]` as [n, T] (zeros
+    elsewhere), and their mean entropy.
+
+    With `group_size` G, groups of G rows that share a prompt run it once (`share_prompts`).
+    `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
+    forward, which is where it hooks the gradient all-reduce (trainer/distributed.py).
+    """
+    input_ids, attention_mask = batch.input_ids[rows], batch.attention_mask[rows]
+    completion_mask = batch.completion_mask[rows]
+    P, C = batch.prompt_width, input_ids.shape[1] - batch.prompt_width
+    shared = None
+    if group_size and _can_share_prompts(model, row_length=P + group_size * C):
+        shared = share_prompts(input_ids, attention_mask, completion_mask, P, group_size, _model_dtype(model))
+    if shared is not None:
+        out = target_logits(model, shared.input_ids, shared.target_mask, shared.attention_mask, shared.position_ids,
+                        shared.sources, shared.model_kwargs)
+        out_rows, out_cols = shared.unshare(out.rows, out.cols)
+    else:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
+        out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
+        out_rows, out_cols = out.rows, out.cols
+    logps = to_padded(selective_log_softmax(out.logits, out.targets), out_rows, out_cols, input_ids.shape)
+    ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
+    return logps, ent
+
+
+# Longest shared-prompt row: its [T, T] attention mask and the attention over it grow with T^2.
+MAX_SHARED_ROW = 4096
+
+
+def _attention(model) -> str:
+    from accelerate.utils import extract_model_from_parallel
+
+    return getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
+
+
+def _can_share_prompts(model, row_length: int) -> bool:
+    """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa, ours)."""
+    return _attention(model) in ("sdpa", "eager", SHARED_ATTENTION) and row_length <= MAX_SHARED_ROW
+
+
+def use_block_attention(model) -> None:
+    """Swap sdpa for `shared_prompt_attention` (plain sdpa for anything but shared-prompt rows)."""
+    if model is not None and _attention(model) == "sdpa":
+        model.set_attn_implementation(register_shared_attention())
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+
+@torch.no_grad()
+def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0) -> torch.Tensor:
+    parts = [token_logps(model, batch, slice(i, i + size), group_size=group_size)[0]
+             for i in range(0, len(batch.input_ids), size)]
+    return torch.cat(parts)

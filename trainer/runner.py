@@ -1,0 +1,321 @@
+"""The stage runner: what every training stage does around its own loop, on one process or many.
+
+A stage (`trainer/sft.py`, `reward.py`, `dpo.py`, `grpo.py`) owns its data, its loss and its
+loop; the runner owns the rest, so that no stage quietly ignores an option the others honour:
+
+- **Devices and processes** (`trainer.distributed.make_accelerator`): CUDA when present, else
+  CPU; bf16/fp16 autocast with float32 master weights; DDP or DeepSpeed ZeRO-2/3 when started
+  by `alignflow train --num_processes N [--deepspeed ...]` or `accelerate launch`.
+- **Data across ranks** (`rank_batches`): each optimizer step's global batch is the one a single
+  process would draw (`trainer.loop.step_batches` at `per_device_batch_size x world size`),
+  cut into one contiguous slice per rank. The stage divides its summed loss by the step's
+  *global* count of targets (tokens or pairs, `sum_over_ranks`) times the world size, because
+  DDP and DeepSpeed average the ranks' gradients: N ranks then take exactly the update of one.
+  A rank whose slice of a short last batch is empty runs one example at weight 0, so that every
+  rank reaches every collective.
+- **Resume, checkpoints, tracking**: training state restored from a step checkpoint, rank 0 writes
+  checkpoints (under ZeRO-3 with the parameters gathered, an ordinary Hugging Face folder),
+  DeepSpeed ranks write their optimizer shards, every `save_steps` steps or `save_minutes`
+  minutes; rank 0's MLflow run; a manifest that records world size, device, precision and ZeRO stage.
+
+With one process every collective is an identity, so a single-process run computes what it did
+before the runner existed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer import distributed, storage
+from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed, step_batches
+from trainer.storage import fetch_to_local, is_remote
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss diverged); the message says what to change."""
+
+
+@dataclass
+class RankBatch:
+    """This rank's part of one micro-batch of an optimizer step."""
+
+    indices: list[int]  # example (or packed-row) indices
+    weight: float  # 1.0, or 0.0 for the stand-in example of a rank whose slice is empty
+
+
+def to_device(batch, device):
+    """A copy of a batch dataclass with its tensors on `device` (the batch itself when already there)."""
+    moved = {f.name: value.to(device) for f in dataclasses.fields(batch)
+             if isinstance(value := getattr(batch, f.name), torch.Tensor) and value.device != device}
+    return dataclasses.replace(batch, **moved) if moved else batch
+
+
+class StageRunner:
+    """One stage's run: accelerator, training state, MLflow run, checkpoints and progress.
+
+    Lifecycle: `StageRunner(stage, config)` -> `resume_checkpoint()` -> the stage loads its model
+    -> `prepare(model, ...)` -> the loop (`rank_batches`, `micro_batch`, `backward`,
+    `optimizer_step`, then `end_step`, or `log_step` and `maybe_save`) -> `final_evaluation` ->
+    `finish()`, all inside `with runner.failing():`, which marks the MLflow run FAILED on an exception.
+    The stage sets `tokenizer` (saved with every checkpoint).
+    """
+
+    def __init__(self, stage: str, config: Any) -> None:
+        self.stage, self.config = stage, config
+        self.accelerator = distributed.make_accelerator(config)
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.is_main, self.device = self.accelerator.is_main_process, self.accelerator.device
+        self.runtime = distributed.describe(self.accelerator)
+        if self.is_main:
+            storage.check_writable(config.output_dir)  # before any data or model is loaded
+        set_seed(config.seed)
+        self.started = time.perf_counter()
+        self.state = ckpt.TrainState()
+        self.last_metrics: dict[str, float] = {}
+        self.datasets: dict[str, dict] = {}
+        self.window = MetricWindow()
+        self.resume: str | None = None
+        self.tokenizer: Any = None
+        self._saved_at = time.monotonic()
+        self._nonfinite = 0
+        log.info("%s: %s, %d process%s (%s), mixed precision %s%s.", stage, self.runtime["device"], self.world,
+                 "es" if self.world > 1 else "", self.runtime["distributed_type"], self.runtime["mixed_precision"],
+                 f", DeepSpeed ZeRO-{self.runtime['zero_stage']}" if self.runtime["zero_stage"] is not None else "")
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def resume_checkpoint(self) -> str | None:
+        """The checkpoint to resume from (`resume_from_checkpoint`), fetched to a local folder; None to start afresh."""
+        resume = ckpt.resolve_resume(self.config.resume_from_checkpoint, self.config.output_dir)
+        self.resume = fetch_to_local(resume) if resume and is_remote(resume) else resume
+        return self.resume
+
+    def prepare(self, model: torch.nn.Module, total_steps: int, datasets: dict[str, dict],
+                wrap: type[torch.nn.Module] | None = None):
+        """Optimizer, schedule and the prepared model (DDP / DeepSpeed / autocast); restore the
+        training state when resuming; open the MLflow run. Returns the model to run forwards through.
+
+        `wrap` (e.g. `trainer.logprobs.TargetLM`) is a module class around `model` whose forward the
+        stage calls; `self.module` stays the plain model, for saving and generation.
+        """
+        config = self.config
+        distributed.seed_rank(config.seed, self.rank)
+        self.module, self.total_steps, self.datasets = model, total_steps, datasets
+        optimizer = build_optimizer(model, config)
+        self.scheduler = build_scheduler(optimizer, config, total_steps)
+        distributed.fill_deepspeed_config(self.accelerator, config.per_device_batch_size,
+                                          config.gradient_accumulation_steps, config.max_grad_norm)
+        self.model, self.optimizer = self.accelerator.prepare(wrap(model) if wrap else model, optimizer)
+        if self.resume:
+            self.state = ckpt.load_training_state(self.resume, self._checkpoint_optimizer, self.scheduler)
+            distributed.load_engine_state(self.accelerator, self.model, self.resume)
+            distributed.restore_rank_rng(self.accelerator, self.state.extra.get("rank_rng"))
+        self.progress = Progress(total_steps, self.state.global_step, self.stage,
+                                 config.disable_progress_bar or not self.is_main)
+        self.tracker  # noqa: B018 (opens the MLflow run now that setup can no longer fail)
+        return self.model
+
+    @functools.cached_property
+    def tracker(self):
+        """Rank 0's MLflow run (continued when resuming); other ranks get one with MLflow off."""
+        tracker = distributed.rank_tracker(self.accelerator, self.config, self.stage, self.state.mlflow_run_id)
+        if self.resume:
+            tracker.history[:] = ckpt.read_history(self.resume)
+        self.state.mlflow_run_id = tracker.run_id
+        tracker.log_params({f"runtime/{k}": v for k, v in self.runtime.items()})
+        tracker.log_datasets(self.datasets)  # run inputs: path, fingerprint (digest), rows
+        return tracker
+
+    @property
+    def _checkpoint_optimizer(self):
+        return distributed.checkpoint_optimizer(self.accelerator, self.optimizer)
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def rank_batches(self, num_examples: int, step: int) -> list[RankBatch]:
+        """This rank's slice of each micro-batch of optimizer step `step` (1-based); see the module docstring."""
+        size = self.config.per_device_batch_size
+        out = []
+        for batch in step_batches(num_examples, size * self.world, self.config.gradient_accumulation_steps,
+                                  self.config.seed, step):
+            mine = batch[self.rank * size:(self.rank + 1) * size]
+            out.append(RankBatch(mine, 1.0) if mine else RankBatch(batch[:1], 0.0))
+        return out
+
+    def rank_slice(self, num_items: int, batch_size: int = 0) -> list[range]:
+        """Batches of `batch_size` (default `per_device_batch_size`) over this rank's contiguous share of
+        `num_items` items (evaluation, precomputing); every rank gets as many batches (maybe empty ones)."""
+        size = batch_size or self.config.per_device_batch_size
+        share = -(-num_items // self.world)
+        start, stop = min(self.rank * share, num_items), min((self.rank + 1) * share, num_items)
+        return [range(i, min(i + size, stop)) if i < stop else range(0) for i in range(start, start + share, size)]
+
+    def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Key-by-key sums over all ranks (every rank must call it at the same point)."""
+        if self.world == 1 or not values:
+            return dict(values)
+        keys = list(values)  # same insertion order on every rank: the stages build these dicts alike
+        total = self.accelerator.reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
+                                                     device=self.device), "sum")
+        return dict(zip(keys, total.tolist()))
+
+    def extreme_over_ranks(self, value: float, largest: bool) -> float:
+        if self.world == 1:
+            return value
+        gathered = self.accelerator.gather(torch.tensor([value], dtype=torch.float64, device=self.device))
+        return float(gathered.max() if largest else gathered.min())
+
+    # --- the update ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """One micro-batch of gradient accumulation, under autocast: gradients cross ranks on the last only."""
+        with distributed.micro_batch(self.accelerator, self.model, last), self.accelerator.autocast():
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        distributed.backward(self.accelerator, loss)
+
+    def optimizer_step(self) -> float:
+        """Clip, step optimizer and schedule, zero the gradients; returns the gradient norm before clipping.
+
+        A step whose norm is not finite is skipped; `max_nonfinite_steps` of them in a row stop the run."""
+        norm = distributed.clip_and_step(self.accelerator, self.model, self.optimizer, self.scheduler,
+                                         self.config.max_grad_norm)
+        self._nonfinite = 0 if math.isfinite(norm) else self._nonfinite + 1
+        if self._nonfinite:
+            log.warning("Step %d: the gradient norm is %s (a NaN or infinite loss or gradient); the update is "
+                        "skipped (%d of at most %d in a row).", self.state.global_step + 1, norm, self._nonfinite,
+                        self.config.max_nonfinite_steps)
+        if self._nonfinite and (self._nonfinite >= self.config.max_nonfinite_steps
+                                or self.runtime["zero_stage"] is not None):
+            raise TrainingError(
+                f"{self.stage}: the gradient norm was not finite for {self._nonfinite} step(s) in a row, up to step "
+                f"{self.state.global_step + 1}: the loss or gradients overflow or are NaN. Lower `learning_rate`, set "
+                f"`max_grad_norm`, check the data, or use bf16 instead of fp16."
+                + (" (Under DeepSpeed the engine has already applied the step.)"
+                   if self.runtime["zero_stage"] is not None else ""))
+        return norm
+
+    @property
+    def learning_rate(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # --- logging and saving --------------------------------------------------------------------
+
+    def log_step(self, step: int, metrics: dict[str, float], evaluate=None, span: int = 1,
+                 rank_means: bool = False) -> dict[str, float] | None:
+        """Add the metrics of the `span` optimizer steps that ended at `step` to the window; every
+        `logging_steps` steps (and at the last) log the window's means with the learning rate and
+        token count, plus `evaluate()` every `eval_steps`. `rank_means`: the metrics are this rank's
+        own and are averaged over ranks when logged (otherwise they are already global)."""
+        config = self.config
+        self.window.add(metrics)
+        logged = None
+        if step % config.logging_steps < span or step >= self.total_steps:
+            window = self.window.pop()
+            logged = {**(distributed.mean_over_ranks(window) if rank_means else window),
+                      "learning_rate": self.learning_rate, "num_tokens": float(self.state.num_tokens)}
+            if evaluate is not None and config.eval_steps and step % config.eval_steps < span and step < self.total_steps:
+                logged.update(evaluate())
+            self.tracker.log_metrics(logged, step)
+            self.last_metrics = logged
+        self.progress.update(step, logged)
+        return logged
+
+    def end_step(self, metrics: dict[str, float], num_examples: int, evaluate=None) -> None:
+        """After an optimizer step over batches of examples (SFT, reward model, DPO): the epoch
+        reached, logging (and evaluation), saving."""
+        step, config = self.state.global_step, self.config
+        per_step = config.per_device_batch_size * config.gradient_accumulation_steps * self.world
+        self.log_step(step, {**metrics, "epoch": step * per_step / num_examples}, evaluate)
+        self.maybe_save(step)
+
+    def final_evaluation(self, evaluate) -> None:
+        """Evaluate once more after the last step (when there is held-out data); logged and kept for the manifest."""
+        if evaluate is not None:
+            metrics = evaluate()
+            self.tracker.log_metrics(metrics, self.state.global_step)
+            self.last_metrics.update(metrics)
+
+    def maybe_save(self, step: int, span: int = 1) -> None:
+        """A resumable step checkpoint every `save_steps` steps or `save_minutes` minutes (never at the last step)."""
+        config = self.config
+        due = bool(config.save_steps) and step % config.save_steps < span
+        if config.save_minutes and time.monotonic() - self._saved_at >= 60 * config.save_minutes:
+            due = True
+        # Rank 0's clock decides, so that every rank takes part in the same saves.
+        due = bool(self.sum_over_ranks({"due": float(due and self.is_main)})["due"]) if self.world > 1 else due
+        if due and step < self.total_steps:
+            self.save("step")
+
+    def manifest(self) -> dict[str, Any]:
+        manifest = ckpt.build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
+                                       self.state.global_step)
+        return {**manifest, **self.runtime}
+
+    def save(self, kind: str) -> None:
+        """A resumable step checkpoint (`kind="step"`) or the final model (`"final"`). Every rank
+        calls it: DeepSpeed ranks write their shards, ZeRO-3 gathers the parameters; rank 0 writes the folder."""
+        config, step = self.config, self.state.global_step
+        if kind == "step":
+            distributed.save_engine_state(self.accelerator, self.model, ckpt.step_dir(config.output_dir, step))
+            if (rank_rng := distributed.rank_rng_states(self.accelerator)) is not None:
+                self.state.extra["rank_rng"] = rank_rng
+        with distributed.full_params(self.accelerator, self.model):
+            if self.is_main:
+                common = dict(model=self.module, tokenizer=self.tokenizer, history=self.tracker.history,
+                              manifest=self.manifest(), merge_lora=config.lora_merge_on_save)
+                if kind == "step":
+                    ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, state=self.state,
+                                              optimizer=self._checkpoint_optimizer, scheduler=self.scheduler,
+                                              **common)
+                else:
+                    ckpt.save_checkpoint(config.output_dir, **common)
+        self.accelerator.wait_for_everyone()
+        self._saved_at = time.monotonic()
+
+    def finish(self) -> str:
+        """Save the final model, record the manifest (and the checkpoint when asked) in MLflow, close the run."""
+        self.progress.close()
+        self.last_metrics["train_runtime"] = time.perf_counter() - self.started
+        self.save("final")
+        tracker = self.tracker
+        tracker.log_dict(self.manifest(), ckpt.MANIFEST)
+        if self.config.mlflow_log_checkpoint and self.is_main and not is_remote(self.config.output_dir):
+            tracker.log_checkpoint(self.config.output_dir)
+        tracker.finish()
+        log.info("%s done in %.1fs; model saved to %s", self.stage, time.perf_counter() - self.started,
+                 self.config.output_dir)
+        return self.config.output_dir
+
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        """Mark the MLflow run FAILED (and close the progress bar) when the body raises."""
+        try:
+            yield
+        except BaseException:
+            if hasattr(self, "progress"):
+                self.progress.close()
+            if "tracker" in self.__dict__:
+                self.tracker.finish("FAILED")
+            raise
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Whole parameters on every rank (ZeRO-3), e.g. to generate samples with `self.module`."""
+        with distributed.full_params(self.accelerator, self.model):
+            yield
