@@ -15,15 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from components import report
+from components.kubernetes import RUN_ID_ENV
 from trainer import checkpoint as ckpt
 from trainer import storage
 
 log = logging.getLogger(__name__)
 SKIPPED = "alignflow.skipped"
-PIPELINE_RUN_TAG = "alignflow.pipeline_run"
+PIPELINE_RUN_TAG = "alignflow.pipeline_run"  # the run's display name (not unique)
+PIPELINE_RUN_ID_TAG = "alignflow.pipeline_run_id"  # the run's id: how every task finds the parent run
 
-# Every stage in a pipeline resumes a retried task from its last checkpoint and keeps one.
-PIPELINE_DEFAULTS = {"resume_from_checkpoint": "auto", "save_total_limit": 1, "disable_progress_bar": True}
+# Every stage in a pipeline saves a checkpoint every 30 minutes (and every `save_steps`), keeps
+# the newest, and resumes a retried task from it.
+PIPELINE_DEFAULTS = {"resume_from_checkpoint": "auto", "save_minutes": 30, "save_total_limit": 1,
+                     "disable_progress_bar": True}
 CURVES = {"sft": "loss", "reward": "accuracy", "dpo": "rewards/margins", "grpo": "reward"}
 
 
@@ -53,6 +57,11 @@ def mark_skipped(dest: str, why: str) -> None:
     Path(dest, SKIPPED).write_text(why)
 
 
+def _mirror_root() -> str:
+    root = os.environ.get("ALIGNFLOW_PIPELINE_ROOT", "")
+    return root if storage.is_remote(root) else ""
+
+
 def publish(path: str) -> None:
     """Mirror an output artifact to ALIGNFLOW_PIPELINE_ROOT when it is an object store.
 
@@ -60,8 +69,8 @@ def publish(path: str) -> None:
     s3://…` sets this variable so every task's outputs also land in the bucket under the same
     <pipeline run>/<task>/<output> layout KFP uses on a cluster.
     """
-    root = os.environ.get("ALIGNFLOW_PIPELINE_ROOT", "")
-    if not storage.is_remote(root) or not Path(path).exists():
+    root = _mirror_root()
+    if not root or not Path(path).exists():
         return
     rel = "/".join(Path(path).parts[-3:])
     dest = storage.join(root, rel)
@@ -73,43 +82,83 @@ def publish(path: str) -> None:
 
 
 def _log_metrics(metrics_artifact, metrics: dict[str, float]) -> None:
-    for key, value in metrics.items():
-        if isinstance(value, int | float):
-            metrics_artifact.log_metric(key.replace("/", "."), float(value))
+    """The KFP UI reads the metrics from the artifact's metadata; the same numbers also go into its file,
+    because kfp.local serves a task from its cache only when every output artifact has a file."""
+    numbers = {key.replace("/", "."): float(value) for key, value in metrics.items() if isinstance(value, int | float)}
+    for key, value in numbers.items():
+        metrics_artifact.log_metric(key, value)
+    Path(metrics_artifact.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(metrics_artifact.path).write_text(json.dumps(numbers, indent=2, sort_keys=True))
+
+
+def checkpoint_uri(output_path: str) -> str:
+    """Where a pipeline stage saves its step checkpoints: the same prefix for every retry of one task
+    in one run, in object storage whenever the pipeline root is.
+
+    KFP uploads an output artifact only when its task succeeds, so checkpoints written inside it die
+    with a failed attempt. On a cluster the output URI is <root>/<pipeline>/<run id>/<task>/<salt>/<output>
+    and the run id comes from the pod's `pipeline/runid` label (RUN_ID_ENV): checkpoints go to
+    <root>/<pipeline>/<run id>/checkpoints/<task>. With kfp.local the output path is
+    <root>/<pipeline run>/<task>/<output>: checkpoints go to <root>/<pipeline run>/checkpoints/<task>,
+    under the object-store mirror (ALIGNFLOW_PIPELINE_ROOT) when there is one.
+    """
+    from components.trainjob import remote_uri
+
+    parts = remote_uri(output_path).rstrip("/").split("/")
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    if run_id and run_id in parts[:-2]:
+        i = parts.index(run_id)
+        return "/".join([*parts[: i + 1], "checkpoints", parts[i + 1]])
+    run, task = parts[-3], parts[-2]
+    return storage.join(_mirror_root() or "/".join(parts[:-3]), run, "checkpoints", task)
 
 
 def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: str, model_out, metrics_out,
-                report_out, parent_run_id: str = "", extra: dict[str, Any] | None = None) -> None:
-    """Run one training stage from a component: config from the pipeline's structured parameter,
-    model/dataset/output from the artifacts. With `nodes` > 1 in the config the stage runs as a
-    TrainJob/PyTorchJob on that many nodes (components/trainjob.py) and this task waits for it."""
-    from components import trainjob
-    from trainer.cli import stage_parts
+                report_out, knobs: dict[str, Any] | None = None, inputs_fingerprint: str = "",
+                extra: dict[str, Any] | None = None) -> None:
+    """Run one training stage from a component: config from the pipeline's structured parameter (over
+    the top-level `knobs`), model/dataset/output from the artifacts. With `nodes` > 1 in the config the
+    stage runs as a TrainJob/PyTorchJob on that many nodes (components/trainjob.py) and this task waits
+    for it. `inputs_fingerprint` (the data's, for the cache key) is tagged on the stage's MLflow run."""
+    from components import inputs, trainjob
     from trainer.config import config_from_dict
+    from trainer.stages import stage_parts
 
     _setup()
     config_cls, run = stage_parts(stage)
-    multi, config = trainjob.split_config(config)
-    values = {**PIPELINE_DEFAULTS, **config, **(extra or {}), "model": model_in, "dataset": dataset,
-              "output_dir": model_out.path}
-    if parent_run_id:
-        values["mlflow_parent_run_id"] = parent_run_id
+    multi, config = trainjob.split_config(inputs.with_knobs(stage, config, knobs or {}))
+    values = {**PIPELINE_DEFAULTS, **config, **(extra or {}), "model": model_in, "dataset": dataset}
+    if parent := parent_run_id():
+        values["mlflow_parent_run_id"] = parent
+    if inputs_fingerprint:
+        values["mlflow_tags"] = [*values.get("mlflow_tags", []), f"alignflow.inputs_fingerprint={inputs_fingerprint}"]
     if multi.nodes > 1:
-        trainjob.run_stage(stage, values, multi, model_out=model_out)
+        trainjob.run_stage(stage, {**values, "output_dir": model_out.path}, multi, model_out=model_out)
+        checkpoints = None
     else:
         multi.check(stage)
-        run(config_from_dict(config_cls, values))
+        checkpoints = checkpoint_uri(model_out.path)
+        if ckpt.is_complete(checkpoints):
+            log.info("%s holds this task's finished model (from an earlier attempt); not training again.",
+                     checkpoints)
+        else:
+            log.info("Checkpoints go to %s; a retry of this task resumes from the newest.", checkpoints)
+            run(config_from_dict(config_cls, {**values, "output_dir": checkpoints}))
+        trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
     history = ckpt.read_history(model_out.path)
     report.write(report_out.path, report.stage_report(f"{stage} — {config_cls.__doc__.splitlines()[0]}",
                                                       manifest["metrics"], history, CURVES.get(stage, "loss")))
     publish(model_out.path)
+    if checkpoints:
+        storage.remove(checkpoints)  # the model is the task's output now; its checkpoints are spent
 
 
-def skip_stage(stage: str, *, model_in: str | None, model_out, report_out, why: str) -> None:
+def skip_stage(stage: str, *, model_in: str | None, model_out, metrics_out, report_out, why: str) -> None:
     """A switched-off stage: hand the input model on (or mark the output empty) and say so in the report."""
     _setup()
+    _log_metrics(metrics_out, {})
     if model_in:
         pass_through(model_in, model_out.path)
     else:
@@ -118,8 +167,8 @@ def skip_stage(stage: str, *, model_in: str | None, model_out, report_out, why: 
 
 
 def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, dataset: str, reward_model: str,
-                   model_name: str, gate_metric: str, min_improvement: float, parent_run_id: str, metrics_out,
-                   report_out, results_out) -> bool:
+                   model_name: str, gate_metric: str, min_improvement: float, metrics_out, report_out,
+                   results_out) -> bool:
     """Evaluate the trained policy, compare it with the registry's champion; returns whether the gate passes."""
     from trainer import registry
     from trainer.config import config_from_dict
@@ -135,8 +184,8 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
         champion = registry.champion_uri(model_name)
         if champion and values.get("reward_model"):
             values["baseline_model"] = champion
-    if parent_run_id:
-        values["mlflow_parent_run_id"] = parent_run_id
+    if parent := parent_run_id():
+        values["mlflow_parent_run_id"] = parent
     metrics = run_evaluate(config_from_dict(EvalConfig, values))
     _log_metrics(metrics_out, metrics)
     if tracking and model_name:
@@ -157,20 +206,18 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
 
 
 def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: str, min_improvement: float,
-                  parent_run_id: str, pipeline_run: str, report_out) -> str:
+                  pipeline_run: str, report_out) -> str:
     """Register the evaluated model as an MLflow model and move `@champion` (the pipeline calls this only when
-    the gate passed). The promote run is a child of the pipeline's MLflow run (`parent_run_id`, else the
-    run tagged with `pipeline_run`)."""
+    the gate passed). The promote run is a child of the pipeline's MLflow run (found by the run id)."""
     from trainer import registry
 
     _setup()
     metrics = json.loads(Path(results, "metrics.json").read_text())
     tags = {"alignflow.pipeline_run": pipeline_run}
-    parent_run_id = parent_run_id or find_pipeline_run(pipeline_run)
-    if parent_run_id:
-        tags["alignflow.pipeline_mlflow_run"] = parent_run_id
+    if parent := find_pipeline_run():
+        tags["alignflow.pipeline_mlflow_run"] = parent
     result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
-                              min_improvement=min_improvement, tags=tags, parent_run_id=parent_run_id or None)
+                              min_improvement=min_improvement, tags=tags, parent_run_id=parent or None)
     report.write(report_out.path, f"<html><body><h2>promote {model_name}</h2><p>version {result.version}: "
                                   f"{result.reason}</p><p>champion {result.champion_before} → "
                                   f"{result.champion_after}</p></body></html>")
@@ -209,35 +256,56 @@ def _client():
     return MlflowClient(uri)
 
 
-def find_pipeline_run(pipeline_run: str) -> str:
-    """The MLflow parent run of a pipeline run, found by its ``alignflow.pipeline_run`` tag; '' when
-    there is none (or no reachable MLflow). Any task can call it instead of taking the id as an input."""
+def _pipeline_runs(client) -> list:
+    """The MLflow runs tagged with this pipeline run's id (RUN_ID_ENV), oldest first."""
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment) if run_id else None
+    if experiment is None:
+        return []
+    return client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_ID_TAG}` = '{run_id}'",
+                              order_by=["attributes.start_time ASC"])
+
+
+def find_pipeline_run() -> str:
+    """The MLflow parent run of this pipeline run, found by its ``alignflow.pipeline_run_id`` tag; '' when
+    there is none, no reachable MLflow, or no run id (outside a pipeline run).
+
+    Tasks find the parent themselves rather than taking its id as an input: an input made fresh by
+    every run would enter every cache key (components/kubernetes.py says where the run id comes from)."""
     client = _client()
-    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment) if client else None
-    if experiment is None or not pipeline_run:
+    try:
+        runs = _pipeline_runs(client) if client else []
+    except Exception as err:  # a server that fails the search: the stage logs without a parent
+        log.warning("MLflow: cannot look up the pipeline's run (%s: %s).", type(err).__name__, err)
         return ""
-    runs = client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'",
-                              order_by=["attributes.start_time ASC"], max_results=1)
     return runs[0].info.run_id if runs else ""
+
+
+def parent_run_id(pipeline_name: str = "", pipeline_run: str = "", params: dict[str, Any] | None = None) -> str:
+    """The MLflow parent run of this pipeline run, opened when missing (normally by start-run; a stage
+    whose start-run could not reach MLflow opens it itself); '' without tracking or a run id."""
+    from trainer.tracking import Tracker
+
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    if not os.environ.get("MLFLOW_TRACKING_URI") or not run_id:
+        return ""
+    if existing := find_pipeline_run():
+        return existing
+    name = pipeline_run or run_id
+    tags = [f"alignflow.pipeline={pipeline_name}", f"{PIPELINE_RUN_TAG}={name}", f"{PIPELINE_RUN_ID_TAG}={run_id}"]
+    # The run stays open until finish_pipeline_run; no system metrics (this task ends at once).
+    tracker = Tracker(PipelineRunConfig(mlflow_run_name=name, mlflow_tags=tags), "pipeline", system_metrics=False)
+    if params:
+        tracker.log_dict(params, "pipeline_params.json")
+    tracker.flush(wait_s=Tracker.finish_wait_s)
+    return tracker.run_id or ""
 
 
 def start_pipeline_run(pipeline_name: str, pipeline_run: str, params: dict[str, Any]) -> str:
     """Open the MLflow parent run of a pipeline run, or return the one a retry of this task opened;
     '' when tracking is off or unreachable."""
-    from trainer.tracking import Tracker
-
     _setup()
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        return ""
-    if existing := find_pipeline_run(pipeline_run):
-        return existing
-    tags = [f"alignflow.pipeline={pipeline_name}", f"{PIPELINE_RUN_TAG}={pipeline_run}"]
-    # The run stays open until finish_pipeline_run; no system metrics (this task ends at once).
-    tracker = Tracker(PipelineRunConfig(mlflow_run_name=pipeline_run, mlflow_tags=tags), "pipeline",
-                      system_metrics=False)
-    tracker.log_dict(params, "pipeline_params.json")
-    tracker.flush(wait_s=Tracker.finish_wait_s)
-    return tracker.run_id or ""
+    return parent_run_id(pipeline_name, pipeline_run, params)
 
 
 # KFP's final pipeline states (PipelineTaskFinalStatus.state) as MLflow run states.
@@ -246,7 +314,8 @@ _KFP_STATES = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELED": "KILLED"
 
 
 def finish_pipeline_run(pipeline_run: str, pipeline_state: str = "") -> None:
-    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run tag).
+    """End the parent run opened by `start_pipeline_run` (found by its pipeline-run-id tag; `pipeline_run`
+    is the run's display name, for the log).
 
     Its child runs still RUNNING belong to stage processes that died (killed pod, OOM): they are marked
     KILLED with a tag saying so. The parent ends as `pipeline_state` says (a KFP final state, e.g. from an
@@ -254,10 +323,10 @@ def finish_pipeline_run(pipeline_run: str, pipeline_state: str = "") -> None:
     failed or died, else FINISHED."""
     _setup()
     client = _client()
-    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment) if client else None
-    if experiment is None:
+    if client is None:
         return
-    for run in client.search_runs([experiment.experiment_id], f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run}'"):
+    experiment = client.get_experiment_by_name(PipelineRunConfig("", []).mlflow_experiment)
+    for run in _pipeline_runs(client):
         parent = run.info.run_id
         children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'",
                                       order_by=["attributes.start_time ASC"])
@@ -269,8 +338,9 @@ def finish_pipeline_run(pipeline_run: str, pipeline_state: str = "") -> None:
                                "finish-run: the stage process ended without ending its run (killed or crashed)")
                 client.set_terminated(child.info.run_id, "KILLED")
                 status = "KILLED"
-                log.warning("MLflow run %s (%s) was left RUNNING by a dead stage process; marked KILLED.",
-                            child.info.run_id, child.data.tags.get("alignflow.stage", "?"))
+                log.warning("MLflow run %s (%s) of pipeline run %s was left RUNNING by a dead stage process; "
+                            "marked KILLED.", child.info.run_id, child.data.tags.get("alignflow.stage", "?"),
+                            pipeline_run)
             last_status[child.data.tags.get("alignflow.stage", child.info.run_id)] = status
         if run.info.status == "RUNNING":
             failed = any(s in ("FAILED", "KILLED") for s in last_status.values())

@@ -1,12 +1,18 @@
-"""One KFP component per stage: sft, reward_model, dpo, grpo, evaluate, promote (+ the MLflow
-parent run's start and finish).
+"""One KFP component per stage: sft, reward_model, dpo, grpo, evaluate, promote (+ the parameter
+check that runs first, and the MLflow parent run's start and finish).
 
 Each is a lightweight Python component on the trainer image with typed artifacts in and out,
 one structured `config` parameter (the stage's options, as in `alignflow train STAGE`), and an
 HTML report for the KFP UI. Bodies only import `components.launcher` and make one call:
 KFP copies them into the compiled YAML, and the trainer image has alignflow installed, so
 `install_kfp_package=False` (clusters without internet cannot pip-install kfp at start).
+
+No component takes the MLflow parent run or anything else made fresh by every run: a training
+task's cache key is its inputs (model, data and their fingerprint, config, knobs), its image and
+its command. Tasks find the parent run from the run id in their environment (components/launcher.py).
 """
+
+from typing import NamedTuple
 
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
@@ -14,6 +20,26 @@ from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 from components.images import TRAINER_IMAGE
 
 component = dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+
+
+@component
+def check_inputs(algorithm: str, sft_config: dict, reward_config: dict, dpo_config: dict, grpo_config: dict,
+                 eval_config: dict, max_steps: int, learning_rate: float, num_generations: int, model_name: str,
+                 base_model_uri: str, sft_data_uri: str, preference_data_uri: str, prompts_uri: str,
+                 eval_prompts_uri: str
+                 ) -> NamedTuple("InputFingerprints", [("sft", str), ("reward", str), ("dpo", str), ("grpo", str)]):
+    """Check every parameter as the stages will read it (a wrong value fails here, in seconds, naming the
+    allowed values) and fingerprint each training stage's input data (components/inputs.py: TASK_INPUTS),
+    so that new data at an unchanged URI misses the cache."""
+    from components import inputs
+
+    stage_configs = {"sft": sft_config, "reward": reward_config, "dpo": dpo_config, "grpo": grpo_config}
+    knobs = {"max_steps": max_steps, "learning_rate": learning_rate, "num_generations": num_generations}
+    inputs.check_parameters(algorithm, stage_configs, eval_config, knobs, model_name)
+    prints = inputs.fingerprints({"base_model_uri": base_model_uri, "sft_data_uri": sft_data_uri,
+                                  "preference_data_uri": preference_data_uri, "prompts_uri": prompts_uri,
+                                  "eval_prompts_uri": eval_prompts_uri})
+    return tuple(prints[stage] for stage in ("sft", "reward", "dpo", "grpo"))
 
 
 @component
@@ -33,46 +59,52 @@ def finish_run(pipeline_run: str):
 
 
 @component
-def sft(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: bool, mlflow_parent_run_id: str,
-        model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+def sft(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: bool, max_steps: int,
+        learning_rate: float, inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics],
+        report: Output[HTML]):
     """Supervised fine-tuning; with skip=True the base model is handed on (already instruction-tuned)."""
     from components import launcher
 
     if skip:
-        launcher.skip_stage("sft", model_in=base_model.path, model_out=model, report_out=report,
-                            why="skip_sft: the base model is used as the policy")
+        launcher.skip_stage("sft", model_in=base_model.path, model_out=model, metrics_out=metrics,
+                            report_out=report, why="skip_sft: the base model is used as the policy")
     else:
         launcher.train_stage("sft", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
-                             metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id)
+                             metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
+                             knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
 
 @component
-def reward_model(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: bool,
-                 mlflow_parent_run_id: str, model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+def reward_model(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: bool, max_steps: int,
+                 learning_rate: float, inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics],
+                 report: Output[HTML]):
     """Reward-model training on preference pairs; with skip=True the output is marked empty (rule rewards only)."""
     from components import launcher
 
     if skip:
-        launcher.skip_stage("reward model", model_in=None, model_out=model, report_out=report,
-                            why="skip_reward_model: rule rewards only")
+        launcher.skip_stage("reward model", model_in=None, model_out=model, metrics_out=metrics,
+                            report_out=report, why="skip_reward_model: rule rewards only")
     else:
         launcher.train_stage("reward", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
-                             metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id)
+                             metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
+                             knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
 
 @component
-def dpo(policy: Input[Model], dataset: Input[Dataset], config: dict, mlflow_parent_run_id: str,
-        model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+def dpo(policy: Input[Model], dataset: Input[Dataset], config: dict, max_steps: int, learning_rate: float,
+        inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
     """Direct preference optimisation of the policy on preference pairs."""
     from components import launcher
 
     launcher.train_stage("dpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
-                         metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id)
+                         metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
+                         knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
 
 @component
-def grpo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Model], config: dict,
-         mlflow_parent_run_id: str, model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
+def grpo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Model], config: dict, max_steps: int,
+         learning_rate: float, num_generations: int, inputs_fingerprint: str, model: Output[Model],
+         metrics: Output[Metrics], report: Output[HTML]):
     """GRPO on prompts; a trained reward model joins the configured reward functions."""
     from components import launcher
 
@@ -83,12 +115,14 @@ def grpo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Mode
             extra["reward_weights"] = [*config["reward_weights"], config.get("reward_model_weight", 1.0)]
     config = {k: v for k, v in config.items() if k != "reward_model_weight"}
     launcher.train_stage("grpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
-                         metrics_out=metrics, report_out=report, parent_run_id=mlflow_parent_run_id, extra=extra)
+                         metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint, extra=extra,
+                         knobs={"max_steps": max_steps, "learning_rate": learning_rate,
+                                "num_generations": num_generations})
 
 
 @component
 def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Dataset], reward_model: Input[Model],
-             config: dict, model_name: str, gate_metric: str, min_improvement: float, mlflow_parent_run_id: str,
+             config: dict, model_name: str, gate_metric: str, min_improvement: float,
              metrics: Output[Metrics], report: Output[HTML], results: Output[Dataset]) -> bool:
     """Held-out evaluation (rewards, accuracy, win rate vs @champion, KL to the start); returns whether
     the candidate passes the promotion gate."""
@@ -96,16 +130,16 @@ def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Datas
 
     return launcher.evaluate_stage(config, model_in=policy.path, reference_in=reference.path, dataset=dataset.path,
                                    reward_model=reward_model.path, model_name=model_name, gate_metric=gate_metric,
-                                   min_improvement=min_improvement, parent_run_id=mlflow_parent_run_id,
-                                   metrics_out=metrics, report_out=report, results_out=results)
+                                   min_improvement=min_improvement, metrics_out=metrics, report_out=report,
+                                   results_out=results)
 
 
 @component
 def promote(policy: Input[Model], results: Input[Dataset], model_name: str, gate_metric: str,
-            min_improvement: float, mlflow_parent_run_id: str, pipeline_run: str, report: Output[HTML]) -> str:
+            min_improvement: float, pipeline_run: str, report: Output[HTML]) -> str:
     """Register the evaluated model in MLflow and move @champion to it (old one -> @previous-champion)."""
     from components import launcher
 
     return launcher.promote_stage(model_in=policy.path, results=results.path, model_name=model_name,
                                   gate_metric=gate_metric, min_improvement=min_improvement,
-                                  parent_run_id=mlflow_parent_run_id, pipeline_run=pipeline_run, report_out=report)
+                                  pipeline_run=pipeline_run, report_out=report)

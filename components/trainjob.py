@@ -33,8 +33,8 @@ followed from the KFP task.
    deletes the job when it succeeds or when the task is stopped (KFP cancels a task with SIGTERM).
 
 Resources: each node asks for `gpus_per_node` GPUs (+1 for the vLLM servers), CPUs and memory per
-GPU as `pipelines.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
-/dev/shm, and the S3 / MLflow Secrets of `pipelines.kubernetes.SECRET_ENV`.
+GPU as `components.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
+/dev/shm, and the S3 / MLflow Secrets of `components.kubernetes.SECRET_ENV`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Any
 
 from components.images import TRAINER_IMAGE
 from components.kubejob import KINDS, submit_and_wait
-from pipelines.kubernetes import SECRET_ENV, TRAINING
+from components.kubernetes import SECRET_ENV, TRAINING
 from trainer import storage
 from trainer.config import ConfigError, option
 
@@ -379,8 +379,8 @@ def job_name(stage: str) -> str:
 
 def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, model_out, **wait: Any) -> None:
     """Train `stage` on `multi.nodes` nodes and leave the finished model in `model_out.path`."""
-    from trainer.cli import stage_parts
     from trainer.config import config_from_dict
+    from trainer.stages import stage_parts
 
     staging = staging_uri(model_out.uri)
     values = {**remote_inputs(values), "output_dir": staging}

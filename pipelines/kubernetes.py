@@ -1,50 +1,32 @@
 """Every Kubernetes setting of the pipeline, applied in one place.
 
 CPU/memory/GPU requests and the accelerator type, tolerations and node selectors, a
-memory-backed /dev/shm, S3 and MLflow credentials from Kubernetes Secrets, retries with
-backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
-YAML that the KFP UI runs.
+memory-backed /dev/shm, S3 and MLflow credentials from Kubernetes Secrets, the run id from the
+pod's labels, retries with backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
+YAML that the KFP UI runs. The values themselves (Secrets, default resources) live in
+`components/kubernetes.py`, because the multi-node launcher needs them at run time too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from kfp import kubernetes
 
-# Secret name -> {secret key: environment variable}. Values never appear in the compiled YAML.
-S3_SECRET = "alignflow-s3"
-MLFLOW_SECRET = "alignflow-mlflow"
-SECRET_ENV = {
-    S3_SECRET: {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-                "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"},
-    MLFLOW_SECRET: {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-                    "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"},
-}
+from components.kubernetes import (
+    LIGHT,
+    MLFLOW_SECRET,
+    RUN_ID_ENV,
+    RUN_ID_FIELD,
+    S3_SECRET,
+    SECRET_ENV,
+    TRAINING,
+    Resources,
+)
 
-
-@dataclass
-class Resources:
-    """What one task asks the cluster for."""
-
-    cpu: str = "2"
-    memory: str = "8Gi"
-    gpus: int = 0
-    accelerator: str = "nvidia.com/gpu"
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, str]] = field(default_factory=list)
-    shm_size: str = "8Gi"
+__all__ = ["LIGHT", "MLFLOW_SECRET", "S3_SECRET", "SECRET_ENV", "TRAINING", "Resources", "apply"]
 
 
-LIGHT = Resources(cpu="1", memory="2Gi", shm_size="")
-TRAINING = Resources(cpu="8", memory="32Gi", gpus=1, tolerations=[
-    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
-
-
-def apply(task, resources: Resources, retries: int = 2, cache: bool = True):
-    """Apply requests, placement, shared memory, secrets, retries and caching to one pipeline task."""
-    # Imported here: this module's settings are also read inside running components
-    # (components/trainjob.py), where KFP's executor cannot import kfp.kubernetes.
-    from kfp import kubernetes
-
+def apply(task, resources: Resources, retries: int = 2, cache: bool = True, backoff: str = "60s"):
+    """Apply requests, placement, shared memory, secrets, the run id, retries and caching to one pipeline task."""
     task.set_cpu_request(resources.cpu).set_memory_request(resources.memory)
     task.set_memory_limit(resources.memory)
     if resources.gpus:
@@ -60,6 +42,8 @@ def apply(task, resources: Resources, retries: int = 2, cache: bool = True):
                                    size_limit=resources.shm_size)
     for secret, env in SECRET_ENV.items():
         kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=env, optional=True)
-    task.set_retry(num_retries=retries, backoff_duration="60s", backoff_factor=2, backoff_max_duration="600s")
+    # Not an input: env vars stay out of KFP's cache key (backend/src/v2/cacheutils: inputs, outputs, image, command).
+    kubernetes.use_field_path_as_env(task, env_name=RUN_ID_ENV, field_path=RUN_ID_FIELD)
+    task.set_retry(num_retries=retries, backoff_duration=backoff, backoff_factor=2, backoff_max_duration="600s")
     task.set_caching_options(cache)
     return task

@@ -1,4 +1,5 @@
-"""Compile, run locally, submit and schedule the post-training pipeline from one config file.
+"""Compile and run locally the post-training pipeline from one config file (pipelines/cluster.py
+submits and schedules it on a Kubeflow cluster).
 
 A pipeline config (YAML) sets everything a user changes: the base model, the datasets, the
 algorithm and switches, each stage's options (the same names as `alignflow train STAGE`), the
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import storage
-from trainer.config import ConfigError, config_from_dict
+from trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class PipelineConfig:
     algorithm: str = "grpo"
     skip_sft: bool = False
     skip_reward_model: bool = False
+    max_steps: int = 0
+    learning_rate: float = 0.0
+    num_generations: int = 0
     sft: dict[str, Any] = field(default_factory=dict)
     reward: dict[str, Any] = field(default_factory=dict)
     dpo: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +55,8 @@ class PipelineConfig:
             "prompts_uri": _dataset_uri(self.datasets["prompts"]),
             "eval_prompts_uri": _dataset_uri(self.datasets["eval"]),
             "algorithm": self.algorithm, "skip_sft": self.skip_sft, "skip_reward_model": self.skip_reward_model,
+            "max_steps": int(self.max_steps), "learning_rate": float(self.learning_rate),
+            "num_generations": int(self.num_generations),
             "sft_config": self.sft, "reward_config": self.reward, "dpo_config": self.dpo,
             "grpo_config": self.grpo, "eval_config": self.evaluate, "model_name": self.model_name,
             "gate_metric": self.gate_metric, "min_improvement": float(self.min_improvement),
@@ -85,10 +91,9 @@ def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = No
 
 
 def validate(config: PipelineConfig, promotion: bool = True) -> None:
-    """Check every stage option, dataset and service the run will touch, before any task starts."""
-    from components.trainjob import split_config
-    from trainer.cli import stage_parts
-    from trainer.evaluate import EvalConfig
+    """Check every stage option, dataset and service the run will touch, before any task starts
+    (the pipeline's first task checks the parameters again, for runs started from the KFP UI)."""
+    from components.inputs import check_parameters
 
     if not config.base_model:
         raise ConfigError("`base_model` is required: a model folder, an s3:// prefix (e.g. from "
@@ -96,21 +101,10 @@ def validate(config: PipelineConfig, promotion: bool = True) -> None:
     missing = [k for k in DATASET_KEYS if k not in config.datasets]
     if missing:
         raise ConfigError(f"`datasets` needs the keys {', '.join(DATASET_KEYS)}; missing {', '.join(missing)}.")
-    if config.algorithm not in ("grpo", "dpo"):
-        raise ConfigError(f"`algorithm` must be grpo or dpo, got {config.algorithm!r}.")
-    placeholders = {"model": "placeholder", "dataset": "placeholder", "output_dir": "placeholder"}
-    for section in ("sft", "reward", "dpo", "grpo"):
-        config_cls, _ = stage_parts(section)
-        try:
-            # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
-            multi, stage_values = split_config(getattr(config, section))
-            multi.check(section, config_from_dict(config_cls, {**stage_values, **placeholders}))
-        except ConfigError as err:
-            raise ConfigError(f"In the `{section}` section of the pipeline config: {err}") from None
-    try:
-        config_from_dict(EvalConfig, {**config.evaluate, **placeholders})
-    except ConfigError as err:
-        raise ConfigError(f"In the `evaluate` section of the pipeline config: {err}") from None
+    knobs = {"max_steps": config.max_steps, "learning_rate": config.learning_rate,
+             "num_generations": config.num_generations}
+    stage_configs = {"sft": config.sft, "reward": config.reward, "dpo": config.dpo, "grpo": config.grpo}
+    check_parameters(config.algorithm, stage_configs, config.evaluate, knobs, config.model_name)
     for name in ("base_model", *[f"datasets.{k}" for k in DATASET_KEYS]):
         value = config.base_model if name == "base_model" else config.datasets[name.split(".")[1]]
         uri = _artifact_uri(value) if name == "base_model" else _dataset_uri(value)
@@ -150,27 +144,37 @@ def _check_tracking() -> None:
                           "answers /health.")
 
 
-def build_pipeline(config: PipelineConfig | None = None, retries: int = 2):
+def build_pipeline(config: PipelineConfig | None = None, retries: int = 2, backoff: str = "60s", cache: bool = True):
     """The pipeline function with the config's cluster resources (`cluster.train`, `cluster.light`)."""
     from pipelines.kubernetes import LIGHT, TRAINING
     from pipelines.post_training import make_pipeline
 
     cluster = (config.cluster if config else None) or {}
     return make_pipeline(dataclasses.replace(TRAINING, **cluster.get("train", {})),
-                         dataclasses.replace(LIGHT, **cluster.get("light", {})), retries)
+                         dataclasses.replace(LIGHT, **cluster.get("light", {})), retries, backoff, cache)
 
 
-def compile_pipeline(out: str, config: PipelineConfig | None = None) -> str:
+def compile_pipeline(out: str, config: PipelineConfig | None = None, cache: bool = True) -> str:
     from kfp import compiler
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(config), package_path=out)
+    compiler.Compiler().compile(build_pipeline(config, cache=cache), package_path=out)
     return out
 
 
-def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = None) -> dict[str, Any]:
-    """Run the whole DAG on this machine with kfp.local (subprocesses, no containers)."""
+def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = None, retries: int = 0,
+              cache: bool = False) -> dict[str, Any]:
+    """Run the whole DAG on this machine with kfp.local (subprocesses, no containers).
+
+    No retries by default: a failure on a laptop is a bug to see at once, not a flaky node. With
+    `retries`, a failed task is run again after a few seconds and a training task resumes from its
+    newest checkpoint, as on a cluster. `cache` turns on kfp.local's task cache (off by default there).
+    """
+    import uuid
+
     from kfp import local
+
+    from components.kubernetes import RUN_ID_ENV
 
     output_path = Path(output).resolve()
     output_path.mkdir(parents=True, exist_ok=True)
@@ -186,42 +190,12 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
     # Components import `components`/`pipelines`/`trainer` from this checkout in the subprocesses.
     repo = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    # What KFP's pod label gives every task on a cluster: the run id they find the MLflow parent run by.
+    os.environ[RUN_ID_ENV] = uuid.uuid4().hex
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(local_root),
-               raise_on_error=True)
+               raise_on_error=True, enable_caching=cache)
     started = time.perf_counter()
-    # No retries here: a failure on a laptop is a bug to see at once, not a flaky node.
-    build_pipeline(config, retries=0)(**config.arguments())
+    build_pipeline(config, retries=retries, backoff="2s")(**config.arguments())
     log.info("Pipeline finished in %.0fs.", time.perf_counter() - started)
     return {"pipeline_root": str(local_root), "tracking_uri": os.environ["MLFLOW_TRACKING_URI"],
             "seconds": time.perf_counter() - started}
-
-
-def submit(host: str, config: PipelineConfig, experiment: str = "alignflow", run_name: str | None = None) -> str:
-    import kfp
-
-    client = kfp.Client(host=host)
-    run = client.create_run_from_pipeline_func(build_pipeline(config), arguments=config.arguments(),
-                                               experiment_name=experiment, run_name=run_name)
-    return run.run_id
-
-
-def check_cron(cron: str) -> str:
-    if len(cron.split()) != 6:
-        raise ConfigError(f"KFP cron expressions have six fields (seconds first), e.g. '0 0 3 * * *' for 03:00 daily; "
-                          f"got {cron!r} with {len(cron.split())}.")
-    return cron
-
-
-def schedule(host: str, cron: str, config: PipelineConfig, experiment: str = "alignflow",
-             job_name: str = "alignflow-retraining", package: str | None = None) -> str:
-    import tempfile
-
-    import kfp
-
-    check_cron(cron)
-    client = kfp.Client(host=host)
-    package = package or compile_pipeline(str(Path(tempfile.mkdtemp()) / "post_training.yaml"), config)
-    exp = client.create_experiment(name=experiment)
-    job = client.create_recurring_run(experiment_id=exp.experiment_id, job_name=job_name, cron_expression=cron,
-                                      pipeline_package_path=package, params=config.arguments(), enabled=True)
-    return job.recurring_run_id

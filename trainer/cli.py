@@ -6,32 +6,23 @@
     alignflow eval --model DIR --dataset FILE [--reward_funcs ...] [--reward_model DIR] [--baseline_model DIR]
     alignflow promote --model-name NAME (--checkpoint DIR --metrics FILE.json | --run RUN_ID) [--gate-metric reward]
     alignflow promote --rollback NAME
+
+The `alignflow` console script is `pipelines.cli:main`, which adds the `pipeline` commands and
+hands everything else to `main` here; `python -m trainer.cli` (e.g. under `accelerate launch`)
+comes straight here and never imports KFP.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 
-# stage -> (module, config class, entry point)
-STAGES = {
-    "sft": ("trainer.sft", "SFTConfig", "run_sft"),
-    "reward": ("trainer.reward", "RewardConfig", "run_reward"),
-    "dpo": ("trainer.dpo", "DPOConfig", "run_dpo"),
-    "grpo": ("trainer.grpo", "GRPOConfig", "run_grpo"),
-}
+from trainer.stages import STAGES, stage_parts
 
 
-def stage_parts(stage: str):
-    module_name, config_name, run_name = STAGES[stage]
-    module = importlib.import_module(module_name)
-    return getattr(module, config_name), getattr(module, run_name)
-
-
-def _setup_logging() -> None:
+def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("ALIGNFLOW_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "botocore", "s3fs", "aiobotocore", "filelock", "datasets"):
@@ -171,63 +162,8 @@ def _promote(argv: list[str]) -> int:
     return 0
 
 
-def _pipeline(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="alignflow pipeline",
-                                     description="Compile, run locally, submit or schedule the post-training pipeline.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    config_help = "Pipeline config YAML (base model, datasets, per-stage options, gate, cluster resources)."
-    comp = sub.add_parser("compile", help="Write the pipeline YAML to upload in the KFP UI.")
-    comp.add_argument("--out", default="post_training.yaml", help="Output file (default post_training.yaml).")
-    comp.add_argument("--config", help=config_help + " Only its `cluster` section matters here.")
-    run = sub.add_parser("run", help="Run the whole DAG (kfp.local, no cluster needed).")
-    run.add_argument("--local", action="store_true", required=True, help="Run on this machine (required).")
-    run.add_argument("--config", required=True, help=config_help)
-    run.add_argument("--output", default="pipeline-output", help="Local folder for the run (default pipeline-output).")
-    run.add_argument("--base-model", help="Override the config's `base_model` (a model folder).")
-    run.add_argument("--pipeline-root", help="Where task outputs go: a local folder (default OUTPUT/pipeline-root) or "
-                                             "s3://bucket/prefix (outputs mirrored there).")
-    for name, text in (("submit", "Submit one run to a KFP cluster."),
-                       ("schedule", "Create a recurring run (scheduled retraining) on a KFP cluster.")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080.")
-        p.add_argument("--config", required=True, help=config_help)
-        p.add_argument("--experiment", default="alignflow", help="KFP experiment (default alignflow).")
-        if name == "schedule":
-            p.add_argument("--cron", required=True, help="Six-field KFP cron, e.g. '0 0 3 * * *' (03:00 daily).")
-            p.add_argument("--job-name", default="alignflow-retraining", help="Recurring run name.")
-    args = parser.parse_args(argv)
-
-    from pipelines import run as pipeline_run
-    from trainer.config import ConfigError
-    from trainer.tracking import redact_uri
-
-    try:
-        overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
-        config = pipeline_run.load_pipeline_config(args.config, overrides) if args.config else None
-        if args.command == "compile":
-            print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
-        elif args.command == "run":
-            out = pipeline_run.run_local(config, args.output, args.pipeline_root)
-            tracking = redact_uri(out["tracking_uri"])
-            print(f"Pipeline run finished in {out['seconds']:.0f}s.\n"
-                  f"  task outputs:  {out['pipeline_root']}\n"
-                  f"  MLflow:        {tracking}\n"
-                  f"  browse it:     mlflow ui --backend-store-uri {tracking}")
-        elif args.command == "submit":
-            pipeline_run.validate(config, promotion=False)
-            print(f"Submitted run {pipeline_run.submit(args.host, config, args.experiment)}")
-        else:
-            pipeline_run.check_cron(args.cron)
-            rid = pipeline_run.schedule(args.host, args.cron, config, args.experiment, args.job_name)
-            print(f"Created recurring run {rid} ({args.cron})")
-    except ConfigError as err:
-        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def make_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The top-level parser and its command groups; `pipelines.cli` adds the `pipeline` group to it."""
     parser = argparse.ArgumentParser(
         prog="alignflow", description="Post-train language models: SFT, reward models, DPO, GRPO.",
         epilog="Run `alignflow train STAGE --help` for a stage's options.")
@@ -239,16 +175,24 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("promote", help="Register a checkpoint and move @champion when it passes the gate; roll back.",
                    add_help=False)
-    sub.add_parser("pipeline", help="Compile, run locally, submit or schedule the post-training pipeline.",
-                   add_help=False)
-    args, rest = parser.parse_known_args(argv)
-    _setup_logging()
+    return parser, sub
+
+
+def run_group(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the command group `make_parser` parsed (`args.group`) with the remaining arguments."""
+    setup_logging()
     if args.group == "train":
         if args.stage is None:
             print(f"usage: alignflow train {{{','.join(sorted(STAGES))}}} --config FILE.yaml [--<field> VALUE ...]")
             return 0 if rest and rest[0] in ("-h", "--help") else 2
         return _train(args.stage, rest)
-    return {"model": _model, "eval": _eval, "promote": _promote, "pipeline": _pipeline}[args.group](rest)
+    return {"model": _model, "eval": _eval, "promote": _promote}[args.group](rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, _ = make_parser()
+    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return run_group(args, rest)
 
 
 if __name__ == "__main__":

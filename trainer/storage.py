@@ -131,3 +131,22 @@ def check_writable(uri: str) -> None:
                 else "check that the folder can be created and written")
         raise StorageError(f"Cannot write to output_dir {uri!r} ({type(err).__name__}: {str(err)[:200]}); {hint}.") \
             from None
+
+
+def fingerprint(uri: str) -> str:
+    """A short hash of what is stored at a file or folder/prefix, from the listing alone (no download):
+    every file's relative name, size and version (the object store's ETag, a local file's mtime).
+
+    It changes when any file is added, removed or rewritten, so a pipeline that passes it to a task
+    turns new data at an unchanged URI into a new cache key."""
+    fs = filesystem(uri)
+    root = fs._strip_protocol(uri).rstrip("/")
+    info = fs.info(root)
+    entries = fs.find(root, detail=True) if info["type"] == "directory" else {root: info}
+    digest = hashlib.sha256()
+    for path in sorted(entries):
+        entry = entries[path]
+        version = entry.get("ETag") or entry.get("etag") or entry.get("mtime") or entry.get("LastModified") or ""
+        rel = path[len(root):].lstrip("/")
+        digest.update(f"{rel}\0{entry.get('size')}\0{version}\n".encode())
+    return digest.hexdigest()[:16]

@@ -1,11 +1,17 @@
 """The whole post-training DAG with kfp.local: outputs mirrored to a real SeaweedFS bucket, every
 stage in a real MLflow server, the winner registered as @champion; a failing gate leaves the
-champion alone; rollback restores the previous champion."""
+champion alone; rollback restores the previous champion. A killed SFT task is retried and resumes
+from its checkpoint in the bucket; a bad parameter fails the first task."""
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -32,7 +38,7 @@ FAST = {
 def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.CompletedProcess:
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**FAST, **overrides}))
-    cmd = [sys.executable, "-m", "trainer.cli", "pipeline", "run", "--local", "--config", str(config),
+    cmd = [sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config", str(config),
            "--output", str(tmp_path / name), "--pipeline-root", env["PIPELINE_ROOT"]]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
@@ -90,3 +96,155 @@ def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, ml
     assert rollback.returncode == 0, rollback.stderr[-2000:]
     assert json.loads(rollback.stdout)["champion_after"] == "1"
     assert client.get_registered_model("pipeline-test").aliases == {"champion": "1", "previous-champion": "2"}
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)  # kfp.local colours task names
+
+
+def _task_processes(root_pid: int, function: str) -> list[int]:
+    """Descendants of `root_pid` running the component `function` (python -m kfp.dsl.executor_main)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            argv = []
+        # The python process itself, not the `sh -ec` wrapper that passes the same arguments on.
+        if (b"kfp.dsl.executor_main" in argv and b"--function_to_execute" in argv
+                and argv[argv.index(b"--function_to_execute") + 1] == function.encode()):
+            found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def test_a_killed_sft_task_is_retried_and_resumes_from_its_checkpoint_in_s3(tiny_model, s3_env, mlflow_server,
+                                                                          tmp_path):
+    """SIGKILL the SFT task once it has a checkpoint in SeaweedFS: kfp.local retries the task, and the
+    retry resumes from that checkpoint instead of step 0; the run's MLflow records stay whole."""
+    root = f"s3://{s3_env.bucket}/retry/{os.getpid()}"
+    env = {**os.environ, **s3_env.env(), "MLFLOW_TRACKING_URI": mlflow_server, "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONUNBUFFERED": "1"}
+    steps = 30
+    config = tmp_path / "retry.yaml"
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True, "model_name": "retry-test",
+        "sft": {**FAST["sft"], "max_steps": steps, "save_steps": 3, "logging_steps": 1},
+        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    log_path = tmp_path / "pipeline.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
+                                 str(config), "--output", str(tmp_path / "out"), "--pipeline-root", root,
+                                 "--retries", "1"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            fs = storage.filesystem(root)
+            deadline = time.monotonic() + 600
+            while not any(re.search(r"/checkpoints/sft/checkpoint-\d+/alignflow.complete$", p)
+                          for p in fs.find(root)):
+                assert proc.poll() is None, _plain(log_path.read_text())[-3000:]
+                assert time.monotonic() < deadline, "no SFT checkpoint reached the bucket"
+                time.sleep(0.2)
+            victims = _task_processes(proc.pid, "sft")
+            assert len(victims) == 1, victims
+            os.kill(victims[0], signal.SIGKILL)
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log = _plain(log_path.read_text())
+    assert proc.returncode == 0, log[-4000:]
+
+    # kfp.local ran the task twice; the second attempt resumed from the bucket, not from step 0.
+    first, retry = log.split("Task sft failed (attempt 1/2). Retrying", 1)
+    retry = retry.split("Task 'sft' finished with status SUCCESS", 1)[0]
+    resumed = re.search(rf"Resuming from ({re.escape(root)}/[^/]+/checkpoints/sft/checkpoint-(\d+))", retry)
+    assert resumed, retry[-3000:]
+    start = int(resumed.group(2))
+    assert 3 <= start < steps
+    logged = [int(s) for s in re.findall(rf"step (\d+)/{steps}\b", retry)]
+    assert logged == list(range(start + 1, steps + 1)), logged
+    assert re.findall(rf"step (\d+)/{steps}\b", first)[:1] == ["1"]
+
+    # The published model carries the whole history once; the checkpoints are cleaned up after publishing.
+    objects = fs.find(root)
+    (metrics_file,) = [o for o in objects if o.endswith("/sft/model/metrics.jsonl")]
+    history = [json.loads(line) for line in fs.cat(metrics_file).decode().splitlines()]
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, steps + 1))
+    assert not [o for o in objects if "/checkpoints/" in o]
+
+    # Both attempts logged into one SFT run under the pipeline's parent run, found by the run-id tag.
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
+                              "tags.`alignflow.stage` = 'sft'")
+    parent = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
+                                "tags.`alignflow.stage` = 'pipeline'", order_by=["attributes.start_time DESC"])[0]
+    sft_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(sft_runs) == 1 and sft_runs[0].info.status == "FINISHED"
+    assert "alignflow.pipeline_run_id" in parent.data.tags and parent.info.status == "FINISHED"
+    assert max(m.step for m in client.get_metric_history(sft_runs[0].info.run_id, "loss")) == steps
+
+
+def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp_path):
+    """A run started from the KFP UI skips the CLI's checks: the pipeline's first task catches the value."""
+    config = tmp_path / "ui.yaml"
+    config.write_text(yaml.safe_dump({**FAST, "base_model": tiny_model, "algorithm": "GRPO"}))
+    script = ("import sys\n"
+              "from pipelines import run\n"
+              "run.validate = lambda *args, **kwargs: None  # a UI submission: no client-side check\n"
+              f"run.run_local(run.load_pipeline_config({str(config)!r}), {str(tmp_path / 'out')!r})\n")
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - started
+    log = _plain(result.stdout + result.stderr)
+    assert result.returncode != 0
+    assert "`algorithm` must be one of grpo, dpo (lower case), got 'GRPO'." in log
+    executed = re.findall(r"Executing task '([\w-]+)'", log)
+    assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
+    assert "Task 'check-inputs' finished with status FAILURE" in log
+    assert seconds < 120, f"took {seconds:.0f}s"
+
+
+def test_a_second_run_is_served_from_the_cache_until_its_data_changes(tiny_model, tmp_path):
+    """kfp.local's cache with the pipeline's cache keys: an unchanged run re-trains nothing; new data at
+    the same URI (a recurring run on fresh data) re-trains the stages that read it, and only those."""
+    from trainer.data import demo_path
+
+    data = tmp_path / "sft.jsonl"
+    shutil.copy(demo_path("math_sft"), data)
+    config = tmp_path / "cached.yaml"
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "datasets": {**FAST["datasets"], "sft": str(data)},
+        "sft": {**FAST["sft"], "max_steps": 2}, "reward": {**FAST["reward"], "max_steps": 2},
+        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+
+    def run() -> tuple[set[str], set[str]]:
+        result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--cache",
+                                 "--config", str(config), "--output", str(tmp_path / "out")],
+                                env=env, capture_output=True, text=True, timeout=900)
+        log = _plain(result.stdout + result.stderr)
+        assert result.returncode == 0, log[-3000:]
+        return set(re.findall(r"Executing task '([\w-]+)'", log)), set(re.findall(r"Task '?([\w-]+)'? cache hit", log))
+
+    training = {"sft", "reward-model", "dpo"}
+    executed, hits = run()
+    assert training <= executed and not hits
+    executed, hits = run()
+    assert hits == training and not training & executed
+    assert {"check-inputs", "evaluate-2"} <= executed  # they look at the data and the champion every time
+    with data.open("a") as fh:
+        fh.write(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1? End with #### and the number."}],
+                             "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
+    executed, hits = run()
+    assert hits == {"reward-model"} and {"sft", "dpo"} <= executed

@@ -32,21 +32,43 @@ def client(uri, monkeypatch):
     return MlflowClient(uri, registry_uri=uri)
 
 
+def _in_run(monkeypatch) -> str:
+    """Be inside a new pipeline run: its id in the environment, as KFP's pod label gives every task."""
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("ALIGNFLOW_PIPELINE_RUN_ID", run_id)
+    return run_id
+
+
 def _stage_tracker(uri: str, parent: str, stage: str) -> Tracker:
     return Tracker(TrainConfig(model="tiny", dataset="demo", mlflow_tracking_uri=uri, mlflow_parent_run_id=parent),
                    stage)
 
 
-def test_start_is_idempotent_and_findable(client):
-    run = f"run-{uuid.uuid4().hex[:6]}"
-    first = launcher.start_pipeline_run("post-training", run, {"base_model": "tiny"})
-    assert first and launcher.start_pipeline_run("post-training", run, {"base_model": "tiny"}) == first
-    assert launcher.find_pipeline_run(run) == first and launcher.find_pipeline_run("other") == ""
+def test_start_is_idempotent_and_findable_by_the_run_id(client, monkeypatch):
+    run = _in_run(monkeypatch)
+    first = launcher.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"})
+    assert first and launcher.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"}) == first
+    assert launcher.find_pipeline_run() == first and launcher.parent_run_id() == first
     assert client.get_run(first).info.status == "RUNNING"
+    assert client.get_run(first).data.tags["alignflow.pipeline_run_id"] == run
+    # Another run with the same display name (KFP does not make names unique) gets its own parent.
+    _in_run(monkeypatch)
+    assert launcher.find_pipeline_run() == ""
+    second = launcher.start_pipeline_run("post-training", "nightly", {})
+    assert second and second != first
+    monkeypatch.delenv("ALIGNFLOW_PIPELINE_RUN_ID")
+    assert launcher.find_pipeline_run() == "" and launcher.parent_run_id() == ""  # outside a pipeline run
 
 
-def test_finish_kills_children_left_running(uri, client, caplog):
-    run = f"run-{uuid.uuid4().hex[:6]}"
+def test_a_stage_opens_the_parent_when_start_run_could_not(client, monkeypatch):
+    _in_run(monkeypatch)
+    parent = launcher.parent_run_id()  # what train_stage calls
+    assert parent and launcher.parent_run_id() == parent
+    assert client.get_run(parent).data.tags["alignflow.stage"] == "pipeline"
+
+
+def test_finish_kills_children_left_running(uri, client, caplog, monkeypatch):
+    run = _in_run(monkeypatch)
     parent = launcher.start_pipeline_run("post-training", run, {})
     done = _stage_tracker(uri, parent, "sft")
     done.log_metrics({"loss": 1.0}, step=1)
@@ -62,8 +84,8 @@ def test_finish_kills_children_left_running(uri, client, caplog):
     assert dead.run_id in caplog.text
 
 
-def test_finish_follows_the_pipeline_state_and_retried_stages(uri, client):
-    run = f"run-{uuid.uuid4().hex[:6]}"
+def test_finish_follows_the_pipeline_state_and_retried_stages(uri, client, monkeypatch):
+    run = _in_run(monkeypatch)
     parent = launcher.start_pipeline_run("post-training", run, {})
     failed = _stage_tracker(uri, parent, "sft")
     failed.finish("FAILED")
@@ -72,14 +94,14 @@ def test_finish_follows_the_pipeline_state_and_retried_stages(uri, client):
     launcher.finish_pipeline_run(run)
     assert client.get_run(parent).info.status == "FINISHED"
 
-    cancelled = f"run-{uuid.uuid4().hex[:6]}"
+    cancelled = _in_run(monkeypatch)
     other = launcher.start_pipeline_run("post-training", cancelled, {})
     launcher.finish_pipeline_run(cancelled, pipeline_state="CANCELED")
     assert client.get_run(other).info.status == "KILLED"
 
 
-def test_promote_run_sits_under_the_pipeline_run(client, tmp_path):
-    run = f"run-{uuid.uuid4().hex[:6]}"
+def test_promote_run_sits_under_the_pipeline_run(client, tmp_path, monkeypatch):
+    run = _in_run(monkeypatch)
     parent = launcher.start_pipeline_run("post-training", run, {})
     model = tmp_path / "policy"
     model.mkdir()
@@ -92,7 +114,7 @@ def test_promote_run_sits_under_the_pipeline_run(client, tmp_path):
     name = f"policy-{uuid.uuid4().hex[:6]}"
 
     version = launcher.promote_stage(model_in=str(model), results=str(results), model_name=name, gate_metric="reward",
-                                     min_improvement=0.0, parent_run_id="", pipeline_run=run,
+                                     min_improvement=0.0, pipeline_run=run,
                                      report_out=SimpleNamespace(path=str(tmp_path / "report.html")))
     promote_run = client.get_run(client.get_model_version(name, version).run_id)
     assert promote_run.data.tags["mlflow.parentRunId"] == parent

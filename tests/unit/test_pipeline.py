@@ -1,5 +1,9 @@
 """The pipeline compiles with its Kubernetes settings, and bad configs fail before any task runs."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import yaml
 
@@ -68,7 +72,10 @@ def test_demo_config_validates(tmp_path, tiny_model):
     ({"grpo": {"num_generations": 1}}, "`num_generations` must be >= 2"),
     ({"datasets": {"sft": "/no/such/file.jsonl", "preferences": "demo:preferences", "prompts": "demo:math",
                    "eval": "demo:math_eval"}}, "`datasets.sft` = '/no/such/file.jsonl' does not exist"),
-    ({"algorithm": "ppo"}, "`algorithm` must be grpo or dpo"),
+    ({"algorithm": "ppo"}, "`algorithm` must be one of grpo, dpo (lower case), got 'ppo'"),
+    ({"max_steps": -3}, "`max_steps` must be 0 (each stage's own value) or positive, got -3"),
+    ({"num_generations": 1}, "`num_generations` must be 0 (the grpo section's value) or >= 2"),
+    ({"grpo": {"loss_type": "ppo"}}, "invalid choice: 'ppo' (choose from 'grpo', 'bnpo', 'dr_grpo', 'dapo')"),
 ])
 def test_bad_configs_fail_before_any_task(tiny_model, override, message):
     config = pipeline_run.load_pipeline_config(DEMO, {"base_model": tiny_model, **override})
@@ -103,6 +110,193 @@ def test_unreachable_mlflow_fails_when_promotion_is_requested(tiny_model, dead_m
 
 
 def test_cron_needs_six_fields():
-    assert pipeline_run.check_cron("0 0 3 * * *") == "0 0 3 * * *"
+    from pipelines.cluster import check_cron
+
+    assert check_cron("0 0 3 * * *") == "0 0 3 * * *"
     with pytest.raises(ConfigError, match="six fields"):
-        pipeline_run.check_cron("0 3 * * *")
+        check_cron("0 3 * * *")
+
+
+def test_console_script_lists_every_group_and_dispatches(capsys):
+    from pipelines import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for group in ("train", "model", "eval", "promote", "pipeline"):
+        assert f"    {group}" in out, f"`{group}` missing from alignflow --help:\n{out}"
+    assert cli.main(["train"]) == 2  # handed to trainer.cli: its usage line
+    assert "usage: alignflow train {dpo,grpo,reward,sft}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["pipeline", "--help"])
+    assert exc.value.code == 0 and "submit" in capsys.readouterr().out
+
+
+def test_trainer_cli_has_no_pipeline_group(capsys):
+    from trainer import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["pipeline", "compile"])
+    assert "invalid choice: 'pipeline'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# What the compiled spec promises: cache keys, parameters a UI user can read, one branch per algorithm
+
+TRAINING_COMPONENTS = ("comp-sft", "comp-reward-model", "comp-dpo", "comp-grpo")
+# Producers whose outputs are functions of the data alone (fingerprints), though they run every time.
+DATA_FUNCTIONS = {("comp-check-inputs", key) for key in ("sft", "reward", "dpo", "grpo")}
+
+
+def _tasks(spec) -> list[tuple[str, str, dict]]:
+    """(component holding the task, task name, task spec) for every task at every depth."""
+    dags = {"root": spec["root"], **spec["components"]}
+    return [(holder, name, task) for holder, comp in dags.items() if "dag" in comp
+            for name, task in comp["dag"]["tasks"].items()]
+
+
+def _sources(spec, holder: str, binding: dict, kind: str) -> set[tuple]:
+    """Where one task input comes from, followed up through the sub-DAGs to the root: a pipeline
+    parameter, a constant, or (producer component, output key)."""
+    if "componentInputParameter" in binding or "componentInputArtifact" in binding:
+        name = binding.get("componentInputParameter") or binding["componentInputArtifact"]
+        if holder == "root":
+            return {("pipeline-parameter", name)}
+        found = set()
+        for parent, _, task in _tasks(spec):
+            if task["componentRef"]["name"] == holder:
+                found |= _sources(spec, parent, task["inputs"][kind][name], kind)
+        return found
+    if "taskOutputParameter" in binding or "taskOutputArtifact" in binding:
+        out = binding.get("taskOutputParameter") or binding["taskOutputArtifact"]
+        producer = next(task["componentRef"]["name"] for h, name, task in _tasks(spec)
+                        if h == holder and name == out["producerTask"])
+        return {(producer, out.get("outputParameterKey") or out.get("outputArtifactKey"))}
+    if "runtimeValue" in binding:
+        return {("constant", json.dumps(binding["runtimeValue"]["constant"]))}
+    raise AssertionError(f"unexpected input binding {binding}")
+
+
+def cache_relevant(text: str) -> dict[str, dict]:
+    """Per training task: what KFP's cache key is made of (backend/src/v2/cacheutils: input values and
+    artifact names, output spec, image, command and args), with every input traced to its source."""
+    spec = yaml.safe_load_all(text).__next__()
+    executors = spec["deploymentSpec"]["executors"]
+    out = {}
+    for holder, name, task in _tasks(spec):
+        component = task["componentRef"]["name"]
+        if component not in TRAINING_COMPONENTS:
+            continue
+        container = executors[spec["components"][component]["executorLabel"]]["container"]
+        inputs = {kind: {key: sorted(_sources(spec, holder, binding, kind)) for key, binding in
+                         task.get("inputs", {}).get(kind, {}).items()} for kind in ("parameters", "artifacts")}
+        out[name] = {"image": container["image"], "command": container["command"], "args": container["args"],
+                     "outputs": spec["components"][component]["outputDefinitions"], "inputs": inputs,
+                     "cache": task["cachingOptions"]}
+    return out
+
+
+def test_training_cache_keys_are_stable_and_take_nothing_made_per_run(tmp_path):
+    config = pipeline_run.load_pipeline_config(DEMO)
+    first = cache_relevant(compiled(tmp_path, config))
+    # The second compile in a fresh process, through the command line.
+    out = tmp_path / "again.yaml"
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "compile", "--out", str(out),
+                             "--config", DEMO], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert cache_relevant(out.read_text()) == first
+    assert set(first) == {"sft", "reward-model", "grpo", "dpo"}
+
+    spec = next(yaml.safe_load_all(out.read_text()))
+    cached_producers = {task["componentRef"]["name"] for _, _, task in _tasks(spec)
+                        if task.get("cachingOptions", {}).get("enableCache")}
+    for name, key in first.items():
+        assert key["cache"] == {"enableCache": True}, name
+        for kind in ("parameters", "artifacts"):
+            for input_name, sources in key["inputs"][kind].items():
+                for source in map(tuple, sources):
+                    per_run = not (source[0] in ("pipeline-parameter", "constant")
+                                   or source[0].startswith("comp-importer") or source[0] in cached_producers
+                                   or source in DATA_FUNCTIONS)
+                    assert not per_run, f"{name}.{input_name} comes from {source}, which is made fresh by every run"
+                    assert "{{$" not in source[1], f"{name}.{input_name} is a run-time placeholder: {source}"
+    # The fingerprint reaches each training task, and the parent run does not.
+    assert first["sft"]["inputs"]["parameters"]["inputs_fingerprint"] == [("comp-check-inputs", "sft")]
+    assert not any("parent" in k for key in first.values() for k in key["inputs"]["parameters"])
+
+
+def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(tmp_path):
+    from components.kubernetes import RUN_ID_ENV
+
+    spec, platform = yaml.safe_load_all(compiled(tmp_path))
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    containers = [e for e in spec["deploymentSpec"]["executors"] if "container" in spec["deploymentSpec"]["executors"][e]]
+    assert len(containers) >= 8
+    for executor in containers:
+        assert {"fieldPath": "metadata.labels['pipeline/runid']", "name": RUN_ID_ENV} in k8s[executor]["fieldPathAsEnv"]
+
+
+def test_every_pipeline_parameter_is_described_for_the_ui(tmp_path):
+    spec = next(yaml.safe_load_all(compiled(tmp_path)))
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    assert len(parameters) == 19
+    undescribed = [name for name, p in parameters.items() if len(p.get("description", "")) < 20]
+    assert undescribed == []
+    assert "`grpo` or `dpo`" in parameters["algorithm"]["description"]
+
+
+def test_one_branch_per_algorithm_and_the_parameter_check_runs_first(tmp_path):
+    from components.inputs import ALGORITHMS
+
+    spec = next(yaml.safe_load_all(compiled(tmp_path)))
+    conditions = sorted(task["triggerPolicy"]["condition"] for _, _, task in _tasks(spec)
+                        if "pipelinechannel--algorithm" in task.get("triggerPolicy", {}).get("condition", ""))
+    assert conditions == sorted(f"inputs.parameter_values['pipelinechannel--algorithm'] == '{a}'" for a in ALGORITHMS)
+    body = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert "dependentTasks" not in body["check-inputs"]
+    assert all("check-inputs" in task.get("dependentTasks", []) for name, task in body.items() if name != "check-inputs")
+
+
+def test_common_knobs_fill_the_stage_configs_and_stage_keys_win():
+    from components.inputs import with_knobs
+
+    knobs = {"max_steps": 7, "learning_rate": 0.0, "num_generations": 8}
+    assert with_knobs("sft", {"per_device_batch_size": 4}, knobs) == {"max_steps": 7, "per_device_batch_size": 4}
+    assert with_knobs("grpo", {"max_steps": 3}, knobs) == {"num_generations": 8, "max_steps": 3}
+    assert with_knobs("dpo", {}, {"max_steps": 0, "learning_rate": 0.0}) == {}
+
+
+def test_fingerprint_follows_the_data_not_the_uri(tmp_path):
+    from trainer.storage import fingerprint
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "a"}\n')
+    before = fingerprint(str(data))
+    assert fingerprint(str(data)) == before
+    (data / "train.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    assert fingerprint(str(data)) != before
+    (data / "extra.jsonl").write_text("")
+    assert len({before, fingerprint(str(data)), fingerprint(str(data / "train.jsonl"))}) == 3
+
+
+@pytest.mark.parametrize(("path", "env", "expected"), [
+    # A cluster: <root>/<pipeline>/<run id>/<task>/<salt>/<output>, the run id from the pod label.
+    ("/s3/bucket/v2/artifacts/alignflow-post-training/run-123/sft/8f1e/model", {"ALIGNFLOW_PIPELINE_RUN_ID": "run-123"},
+     "s3://bucket/v2/artifacts/alignflow-post-training/run-123/checkpoints/sft"),
+    ("/minio/mlpipeline/v2/artifacts/p/run-9/grpo/abc/model", {"ALIGNFLOW_PIPELINE_RUN_ID": "run-9"},
+     "s3://mlpipeline/v2/artifacts/p/run-9/checkpoints/grpo"),
+    # kfp.local: <root>/<pipeline run>/<task>/<output>, mirrored to the bucket when there is one.
+    ("/tmp/out/pipeline-root/alignflow-post-training-2026/sft/model", {"ALIGNFLOW_PIPELINE_RUN_ID": "x"},
+     "/tmp/out/pipeline-root/alignflow-post-training-2026/checkpoints/sft"),
+    ("/tmp/out/pipeline-root/alignflow-post-training-2026/reward-model/model",
+     {"ALIGNFLOW_PIPELINE_ROOT": "s3://b/pipelines"}, "s3://b/pipelines/alignflow-post-training-2026/checkpoints/reward-model"),
+])
+def test_checkpoints_go_under_the_run_and_task_not_the_attempt(monkeypatch, path, env, expected):
+    from components.launcher import checkpoint_uri
+
+    monkeypatch.delenv("ALIGNFLOW_PIPELINE_ROOT", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert checkpoint_uri(path) == expected

@@ -16,8 +16,8 @@ import pytest
 
 from components import kubejob, trainjob
 from components.images import TRAINER_IMAGE
+from components.kubernetes import SECRET_ENV
 from pipelines import run as pipeline_run
-from pipelines.kubernetes import SECRET_ENV
 from trainer.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -491,8 +491,10 @@ def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainjob, "submit_and_wait", fake_wait)
     monkeypatch.setattr(trainjob, "staging_uri", lambda uri: str(tmp_path / "bucket/run/grpo/model.staging"))
+    monkeypatch.setattr(launcher, "parent_run_id", lambda: "parent123")  # found by the run-id tag
     out = SimpleNamespace(path=str(tmp_path / "out"), uri="s3://bucket/run/grpo/model")
-    metrics = SimpleNamespace(logged={}, log_metric=lambda k, v: metrics.logged.__setitem__(k, v))
+    metrics = SimpleNamespace(logged={}, log_metric=lambda k, v: metrics.logged.__setitem__(k, v),
+                              path=str(tmp_path / "metrics"))
     report = SimpleNamespace(path=str(tmp_path / "report.html"))
     launcher.train_stage(
         "grpo",
@@ -502,12 +504,13 @@ def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
         model_out=out,
         metrics_out=metrics,
         report_out=report,
-        parent_run_id="parent123",
+        knobs={"max_steps": 7, "learning_rate": 0.0, "num_generations": 8},
     )
     (job,) = submitted
     stage = json.loads(job["spec"]["trainer"]["env"][0]["value"])
     assert stage["model"] == "s3://bucket/run/sft/model" and stage["dataset"] == "s3://bucket/data/math.jsonl"
     assert stage["mlflow_parent_run_id"] == "parent123" and stage["resume_from_checkpoint"] == "auto"
+    assert stage["max_steps"] == 7 and stage["num_generations"] == 4  # the knob fills in; the stage's key wins
     assert metrics.logged == {"reward": 0.5} and Path(out.path, "alignflow.complete").exists()
     assert not (tmp_path / "bucket/run/grpo/model.staging").exists()  # removed once downloaded
 

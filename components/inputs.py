@@ -1,0 +1,96 @@
+"""The pipeline's run-time parameters: checked in its first task, the common knobs merged into the
+stage configs, and the input fingerprints that make cache keys follow the data.
+
+A run started from the KFP UI never passes through `alignflow pipeline submit`'s checks, so the
+pipeline checks its own parameters in its first task (`stages.check_inputs`): a wrong value fails
+in seconds, naming the field and the allowed values, before any GPU is requested. The CLI runs the
+same checks before it submits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer import storage
+from trainer.config import ConfigError
+
+# One `dsl.If` branch each in pipelines/post_training.py (a test holds the two together).
+ALGORITHMS = ("grpo", "dpo")
+TRAINING_STAGES = ("sft", "reward", "dpo", "grpo")
+# The typed top-level knobs of the pipeline and the stages each reaches. 0 leaves a stage its own
+# value; a key in the stage's config dict overrides the knob.
+KNOBS = {
+    "max_steps": TRAINING_STAGES,
+    "learning_rate": TRAINING_STAGES,
+    "num_generations": ("grpo",),
+}
+# The datasets and model each training task reads, by pipeline parameter: their fingerprints make
+# the task's cache key change when the data at an unchanged URI changes.
+TASK_INPUTS = {
+    "sft": ("base_model_uri", "sft_data_uri"),
+    "reward": ("base_model_uri", "preference_data_uri"),
+    "dpo": ("preference_data_uri",),
+    "grpo": ("prompts_uri",),
+}
+_PLACEHOLDERS = {"model": "placeholder", "dataset": "placeholder", "output_dir": "placeholder"}
+
+
+def with_knobs(stage: str, config: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
+    """The stage's config dict with the top-level knobs it takes, where the dict leaves them out."""
+    filled = {name: value for name, value in knobs.items() if value and stage in KNOBS[name] and name not in config}
+    return {**filled, **config}
+
+
+def check_knobs(knobs: dict[str, Any]) -> None:
+    for name, value in knobs.items():
+        if name not in KNOBS:
+            raise ConfigError(f"Unknown pipeline knob `{name}`; the knobs are {', '.join(KNOBS)}.")
+        if value < 0:
+            raise ConfigError(f"`{name}` must be 0 (each stage's own value) or positive, got {value}.")
+    if knobs.get("num_generations") == 1:
+        raise ConfigError("`num_generations` must be 0 (the grpo section's value) or >= 2: GRPO compares "
+                          "completions within a group.")
+
+
+def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], eval_config: dict[str, Any],
+                     knobs: dict[str, Any], model_name: str) -> None:
+    """Every parameter a run reads, checked as the stages will read it; raises ConfigError naming the field."""
+    from components.trainjob import split_config
+    from trainer.config import config_from_dict
+    from trainer.evaluate import EvalConfig
+    from trainer.stages import stage_parts
+
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"`algorithm` must be one of {', '.join(ALGORITHMS)} (lower case), got {algorithm!r}.")
+    if not model_name:
+        raise ConfigError("`model_name` is required: the MLflow registered model the pipeline promotes into.")
+    check_knobs(knobs)
+    for stage in TRAINING_STAGES:
+        config_cls, _ = stage_parts(stage)
+        try:
+            # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
+            multi, values = split_config(with_knobs(stage, stage_configs.get(stage) or {}, knobs))
+            multi.check(stage, config_from_dict(config_cls, {**values, **_PLACEHOLDERS}))
+        except ConfigError as err:
+            raise ConfigError(f"In the `{stage}` section of the pipeline config: {err}") from None
+    try:
+        config_from_dict(EvalConfig, {**eval_config, **_PLACEHOLDERS})
+    except ConfigError as err:
+        raise ConfigError(f"In the `evaluate` section of the pipeline config: {err}") from None
+
+
+def fingerprints(uris: dict[str, str]) -> dict[str, str]:
+    """Each training stage's input fingerprint: its datasets' and model's `storage.fingerprint`s, joined.
+
+    `uris` maps the pipeline's URI parameters (base_model_uri, sft_data_uri, ...) to their values; one
+    that cannot be listed is an error naming it."""
+    prints = {}
+    for name, uri in uris.items():
+        try:
+            prints[name] = storage.fingerprint(uri.replace("minio://", "s3://", 1))
+        except FileNotFoundError:
+            raise ConfigError(f"`{name}` = {uri!r} does not exist.") from None
+        except Exception as err:  # botocore/aiohttp raise many types for a dead endpoint or a refused key
+            raise ConfigError(f"`{name}` = {uri!r} cannot be read ({type(err).__name__}: {err}). Check the "
+                              "S3 endpoint and credentials (the alignflow-s3 Secret).") from None
+    return {stage: "-".join(prints[name] for name in names) for stage, names in TASK_INPUTS.items()}
