@@ -6,6 +6,7 @@ only an import and one call into this module; everything here is thin glue aroun
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -121,6 +122,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     stage runs as a TrainJob/PyTorchJob on that many nodes (components/trainjob.py) and this task waits
     for it. `inputs_fingerprint` (the data's, for the cache key) is tagged on the stage's MLflow run."""
     from components import inputs, trainjob
+    from trainer import launch
     from trainer.config import config_from_dict
     from trainer.stages import stage_parts
 
@@ -143,7 +145,11 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
                      checkpoints)
         else:
             log.info("Checkpoints go to %s; a retry of this task resumes from the newest.", checkpoints)
-            run(config_from_dict(config_cls, {**values, "output_dir": checkpoints}))
+            stage_config = config_from_dict(config_cls, {**values, **multi.rank_options(), "output_dir": checkpoints})
+            if launch.needs_launch(stage_config):
+                run_ranks(stage, stage_config)
+            else:
+                run(stage_config)
         trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
@@ -153,6 +159,23 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     publish(model_out.path)
     if checkpoints:
         storage.remove(checkpoints)  # the model is the task's output now; its checkpoints are spent
+
+
+def run_ranks(stage: str, config) -> None:
+    """`gpus_per_node` > 1 on one node: the stage's ranks in this pod, through `alignflow train`'s launcher.
+    The config travels as a file (it may name secrets' holders, never their values: those stay in the env)."""
+    import tempfile
+
+    from trainer import launch
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix=f"alignflow-{stage}-") as fh:
+        values = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
+        json.dump(values, fh)
+        fh.flush()
+        code = launch.launch(stage, ["--config", fh.name], config)
+    if code:
+        raise RuntimeError(f"The {config.num_processes} ranks of the {stage} stage failed (exit code {code}); "
+                           "the rank logs above say why.")
 
 
 def skip_stage(stage: str, *, model_in: str | None, model_out, metrics_out, report_out, why: str) -> None:

@@ -61,7 +61,6 @@ CONFIG_FILE = "/tmp/alignflow-stage.json"
 ACCELERATE_CONFIGS = "trainer/configs/accelerate"  # relative to the repository root = the image's WORKDIR
 CPU_PER_GPU, MEMORY_GI_PER_GPU = int(TRAINING.cpu), 32  # what the pipeline gives a one-GPU training task
 INPUT_KEYS = ("model", "dataset", "eval_dataset", "ref_model", "reward_funcs")  # stage fields naming inputs
-MULTI_NODE_STAGES = ("grpo",)  # stages whose loop runs as several ranks (trainer/distributed.py)
 ISTIO_INJECT = "sidecar.istio.io/inject"  # an injected proxy would keep a finished pod running
 PATCH_MANAGER = "alignflow/launcher"  # owner of this launcher's entry in a TrainJob's runtimePatches
 
@@ -73,7 +72,8 @@ class MultiNode:
     nodes: int = option(
         1, "Nodes (pods) to train on; more than 1 submits a TrainJob or PyTorchJob and waits for it."
     )
-    gpus_per_node: int = option(1, "Training processes per node, one per GPU.")
+    gpus_per_node: int = option(1, "Training processes per node, one per GPU; on one node more than 1 starts that "
+                                   "many ranks inside the task's pod (`alignflow train --num_processes`).")
     job_kind: str = option(
         "TrainJob",
         "TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1) or PyTorchJob "
@@ -104,19 +104,19 @@ class MultiNode:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be a whole number >= 1, got {getattr(self, name)}.")
-        if self.nodes == 1:
+        if getattr(stage_config, "num_processes", 1) > 1:
+            raise ConfigError("`num_processes` is set by the pipeline from `gpus_per_node` (and `nodes`); "
+                              "remove it from the section and set `gpus_per_node`.")
+        if self.nodes == 1 and self.gpus_per_node == 1:
             return
-        if stage not in MULTI_NODE_STAGES:
-            raise ConfigError(
-                f"`nodes: {self.nodes}`: only the {', '.join(MULTI_NODE_STAGES)} stage trains on several "
-                f"processes so far; remove `nodes` from the `{stage}` section."
-            )
         engine = getattr(stage_config, "rollout_engine", "hf")
         if engine == "vllm":
             raise ConfigError(
                 "rollout_engine=vllm runs vLLM inside the training process, one process only; with "
-                "`nodes` > 1 use vllm-server (a server per rank on a GPU of its own) or hf."
+                "`gpus_per_node` or `nodes` > 1 use vllm-server (a server per rank) or hf."
             )
+        if self.nodes == 1:
+            return
         if engine == "vllm-server":
             if stage_config.vllm_server_devices not in (None, "", str(self.gpus_per_node)):
                 raise ConfigError(
@@ -131,6 +131,13 @@ class MultiNode:
                     f"{stage_config.vllm_gpu_memory_utilization} of it ({share:.2f} in all); set it "
                     f"below {1 / self.gpus_per_node:.3f} or lower gpus_per_node."
                 )
+
+    def rank_options(self) -> dict[str, Any]:
+        """Stage options that make one node's task train on `gpus_per_node` ranks (none for one GPU)."""
+        if self.gpus_per_node == 1:
+            return {}
+        return {"num_processes": self.gpus_per_node, "deepspeed": None if self.deepspeed == "none" else self.deepspeed,
+                "bf16": self.mixed_precision == "bf16", "fp16": self.mixed_precision == "fp16"}
 
     def resources(self, gpus: int) -> dict[str, dict[str, str]]:
         cpu = self.cpu_per_node or str(CPU_PER_GPU * gpus)

@@ -29,20 +29,39 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _train(stage: str, argv: list[str]) -> int:
-    from trainer.config import ConfigError, parse_config
+def anticipated_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message already names the problem and the fix: one line, no traceback."""
+    from trainer.checkpoint import NonFiniteWeightsError, UnsafeCheckpointError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.models import ModelError
+    from trainer.rewards import RewardError
+    from trainer.runner import TrainingError
+    from trainer.storage import StorageError
 
+    return (ConfigError, DataError, ModelError, RewardError, StorageError, UnsafeCheckpointError,
+            NonFiniteWeightsError, TrainingError, FileNotFoundError)
+
+
+def _train(stage: str, argv: list[str]) -> int:
+    """Parse the stage's config, start its ranks when asked, or run it here. An anticipated error
+    prints one line and exits 2 (`--debug` or ALIGNFLOW_DEBUG=1 shows the traceback)."""
+    from trainer import launch
+    from trainer.config import parse_config
+
+    debug = "--debug" in argv or os.environ.get("ALIGNFLOW_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
     config_cls, run = stage_parts(stage)
     try:
         config = parse_config(config_cls, argv, prog=f"alignflow train {stage}")
-    except ConfigError as err:
+        if launch.needs_launch(config):
+            return launch.launch(stage, argv, config)
+        out = run(config)
+    except anticipated_errors() as err:
+        if debug:
+            raise
         print(f"alignflow train {stage}: error: {err}", file=sys.stderr)
         return 2
-    from trainer import launch
-
-    if launch.needs_launch(config):
-        return launch.launch(stage, argv, config)
-    out = run(config)
     print(f"Saved to {out}")
     return 0
 

@@ -248,3 +248,26 @@ def test_a_second_run_is_served_from_the_cache_until_its_data_changes(tiny_model
                              "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
     executed, hits = run()
     assert hits == {"reward-model"} and {"sft", "dpo"} <= executed
+
+
+def test_gpus_per_node_runs_ranks_inside_the_task(tiny_model, tmp_path):
+    """`gpus_per_node: 2` in a stage's section: the task starts 2 ranks in its pod (here 2 CPU ranks over
+    gloo, the DPO ones under DeepSpeed ZeRO-2); their logs say so and the models record `world_size: 2`."""
+    config = tmp_path / "ranks.yaml"
+    ranks = {"gpus_per_node": 2, "mixed_precision": "no"}
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True,
+        "sft": {**FAST["sft"], "max_steps": 4, "per_device_batch_size": 8, **ranks, "deepspeed": "none"},
+        "dpo": {**FAST["dpo"], "max_steps": 2, "per_device_batch_size": 4, **ranks, "deepspeed": "zero2"},
+        "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
+                             str(config), "--output", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    log = _plain(result.stdout + result.stderr)
+    assert result.returncode == 0, log[-4000:]
+    assert "sft: cpu, 2 processes (MULTI_CPU)" in log and "dpo: cpu, 2 processes (DEEPSPEED)" in log, log[-4000:]
+    for stage, zero in (("sft", None), ("dpo", 2)):
+        (manifest,) = [json.loads(p.read_text()) for p in out.rglob(f"{stage}/model/alignflow.json")]
+        assert (manifest["world_size"], manifest["zero_stage"]) == (2, zero)

@@ -99,3 +99,18 @@ def test_importing_the_entry_point_loads_no_upper_layer(module, absent):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+MAX_FUNCTION_LINES = 120
+
+
+def test_no_trainer_function_is_longer_than_a_screenful_or_two():
+    """Stage loops read as their algorithm: phases are functions, none over 120 lines (issue 13)."""
+    long = []
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, long

@@ -252,10 +252,25 @@ def test_pipeline_validation_names_the_stage_and_field(config, message):
     assert "In the `grpo` section of the pipeline config" in str(err.value) and message in str(err.value)
 
 
-def test_only_grpo_runs_on_several_nodes():
-    config = pipeline_run.load_pipeline_config("pipelines/configs/demo.yaml", {"sft": {"nodes": 2}})
-    with pytest.raises(ConfigError, match=r"In the `sft` section.*only the grpo stage"):
+def test_every_stage_runs_on_several_nodes_and_gpus():
+    for stage in ("sft", "reward", "dpo", "grpo"):
+        multi, _ = trainjob.split_config({"nodes": 2, "gpus_per_node": 4})
+        multi.check(stage)  # no stage is refused any more
+    config = pipeline_run.load_pipeline_config("pipelines/configs/demo.yaml", {"sft": {"num_processes": 2}})
+    with pytest.raises(ConfigError, match=r"In the `sft` section.*set `gpus_per_node`"):
         pipeline_run.validate(config, promotion=False)
+    vllm = pipeline_run.load_pipeline_config("pipelines/configs/demo.yaml",
+                                             {"grpo": {"gpus_per_node": 2, "rollout_engine": "vllm"}})
+    with pytest.raises(ConfigError, match=r"In the `grpo` section.*one process only"):
+        pipeline_run.validate(vllm, promotion=False)
+
+
+def test_gpus_per_node_becomes_the_ranks_of_one_pod():
+    multi, _ = trainjob.split_config({"gpus_per_node": 2, "deepspeed": "none", "mixed_precision": "no"})
+    assert multi.rank_options() == {"num_processes": 2, "deepspeed": None, "bf16": False, "fp16": False}
+    multi, _ = trainjob.split_config({"gpus_per_node": 8})
+    assert multi.rank_options() == {"num_processes": 8, "deepspeed": "zero2", "bf16": True, "fp16": False}
+    assert trainjob.split_config({})[0].rank_options() == {}
 
 
 def test_kfp_floats_are_whole_numbers_and_nodes_1_is_the_single_node_path(tiny_model):
