@@ -97,7 +97,8 @@ def make_accelerator(config):
 def describe(accelerator) -> dict[str, Any]:
     """What the run really uses (printed at start, written to alignflow.json and MLflow params)."""
     stage = zero_stage(accelerator)
-    return {"world_size": accelerator.num_processes, "device": str(accelerator.device),
+    device = accelerator.device
+    return {"world_size": accelerator.num_processes, "device": "cpu" if device.type == "cpu" else str(device),
             "mixed_precision": accelerator.mixed_precision, "zero_stage": stage if stage >= 0 else None,
             "distributed_type": str(accelerator.distributed_type).rsplit(".", 1)[-1]}
 
