@@ -256,14 +256,14 @@ def verify_checkpoint(uri: str, hashes: bool = True) -> list[str]:
     file list, written by an older alignflow, has nothing to check against: [] (it still counts as complete)."""
     try:
         listed = read_json(storage.join(uri, COMPLETE_MARKER)).get("files")
+    except storage.StorageError:
+        raise  # the store is down, which says nothing about the checkpoint
     except (OSError, ValueError, AttributeError) as err:
         return [f"its {COMPLETE_MARKER} is unreadable ({type(err).__name__})"]
     if listed is None:
         return []
     if storage.is_remote(uri):
-        fs = storage.filesystem(uri)
-        root = fs._strip_protocol(uri).rstrip("/")
-        sizes = {path[len(root):].lstrip("/"): entry.get("size") for path, entry in fs.find(root, detail=True).items()}
+        sizes = storage.find_sizes(uri)
     else:
         sizes = {f["path"]: Path(uri, f["path"]).stat().st_size for f in listed if Path(uri, f["path"]).is_file()}
     problems = []
@@ -387,16 +387,14 @@ def check_same_run(ckpt_local: str, config: Any, auto: bool, datasets: dict[str,
 
 
 def read_json(uri: str) -> dict[str, Any]:
-    with storage.filesystem(uri).open(uri) as fh:
-        return json.load(fh)
+    return json.loads(storage.read_text(uri))
 
 
 def read_history(ckpt: str) -> list[dict[str, Any]]:
     uri = storage.join(ckpt, METRICS_FILE)
     if not storage.exists(uri):
         return []
-    with storage.filesystem(uri).open(uri) as fh:
-        return [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
 
 
 class UnsafeCheckpointError(ValueError):
