@@ -345,9 +345,11 @@ def _changes(saved: dict[str, Any], config: Any, names: tuple[str, ...]) -> list
 
 
 def _data_change(manifest: dict[str, Any], datasets: dict[str, dict]) -> list[str]:
-    before = manifest.get("datasets", {}).get("train", {}).get("fingerprint")
-    after = datasets.get("train", {}).get("fingerprint")
-    return [f"training data fingerprint {before} -> {after}"] if before and after and before != after else []
+    before = str(manifest.get("datasets", {}).get("train", {}).get("fingerprint") or "")
+    after = str(datasets.get("train", {}).get("fingerprint") or "")
+    # Older manifests hold datasets' cache fingerprint, which changes with every download: not comparable.
+    comparable = before.startswith("sha256-") and after.startswith("sha256-")
+    return [f"training data fingerprint {before} -> {after}"] if comparable and before != after else []
 
 
 def finished_run(output_dir: str, config: Any, datasets: dict[str, dict]) -> str | None:

@@ -126,3 +126,15 @@ def test_auto_refuses_a_changed_run_and_an_explicit_path_warns(tiny_model, tmp_p
     warned = [r.getMessage() for r in caplog.records if "RESUMING A CHANGED RUN" in r.getMessage()]
     assert any("learning_rate" in w for w in warned) and any("fingerprint" in w for w in warned)
     assert [r["step"] for r in history(tmp_path / "branch")] == [1, 2, 3, 4]
+
+
+def test_data_fingerprint_is_the_rows_content(tmp_path):
+    """Same rows loaded from another path (or re-downloaded) -> same fingerprint; one changed value -> another."""
+    from trainer.data import dataset_fingerprint, load_rows
+
+    rows = [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["red", "green", "blue"]]
+    a = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "a.jsonl", rows), "train"))
+    b = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "b.jsonl", rows), "train"))
+    rows[1]["completion"] = " GREEN"
+    c = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "c.jsonl", rows), "train"))
+    assert a == b != c and a.startswith("sha256-")
