@@ -111,7 +111,8 @@ class StageRunner:
         training state when resuming; open the MLflow run. Returns the model to run forwards through.
 
         `wrap` (e.g. `trainer.logprobs.TargetLM`) is a module class around `model` whose forward the
-        stage calls; `self.module` stays the plain model, for saving and generation.
+        stage calls; `self.module` stays the plain model, for saving and generation. With `auto`, a run
+        whose final model is already in `output_dir` raises `checkpoint.RunFinished` (docs/reliability.md).
         """
         config = self.config
         if config.resume_from_checkpoint == "auto" and (done := ckpt.finished_run(config.output_dir, config, datasets)):
