@@ -114,7 +114,7 @@ def retrying(uri: str, what: str, call: Callable[[], _T]) -> _T:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StorageError(
-                    f"Cannot {what} {uri!r}: the object store did not answer for {budget:.0f} s ({attempt} attempts; "
+                    f"Cannot {what} {uri!r}: the object store did not answer for {budget:.0f} s ({attempt} attempt{'s' if attempt > 1 else ''}; "
                     f"{type(err).__name__}: {first_line}). Check that it is up and reachable (AWS_ENDPOINT_URL), or "
                     f"wait longer with {RETRY_ENV}.") from None
             log.warning("Cannot %s %s (%s: %s); retrying in %.0f s (%.0f s of %.0f s left).", what, uri,

@@ -114,3 +114,24 @@ def test_outage_past_the_budget_fails_in_one_line_and_keeps_the_previous_checkpo
     assert not ckpt.is_complete(ckpt.step_dir(out, 2))
     assert [s for s, _ in ckpt.list_checkpoints(out, verify=True)] == [1]
     assert ckpt.resolve_resume("auto", out) == ckpt.step_dir(out, 1)
+
+
+def test_a_training_run_survives_a_20s_outage_mid_checkpoint(tiny_model, faulty_s3, monkeypatch, tmp_path):
+    """The whole stage: SFT saving every step to the store, which dies during the second checkpoint's upload."""
+    from tests.helpers import history
+    from trainer.sft import SFTConfig, run_sft
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = f"s3://{faulty_s3.server.bucket}/run-{time.time_ns()}"
+    monkeypatch.setenv(storage.RETRY_ENV, "120")
+    timings = kill_during_upload(monkeypatch, faulty_s3, after_files=16, down_for=20)
+    started = time.monotonic()
+    run_sft(SFTConfig(model=tiny_model, dataset="demo", output_dir=out, max_steps=4, per_device_batch_size=8,
+                      learning_rate=3e-3, logging_steps=1, max_length=128, num_sample_completions=0,
+                      disable_progress_bar=True, save_steps=1, save_total_limit=0))
+    took = time.monotonic() - started
+    assert "up" in timings, "the store was never killed and restarted"
+    assert ckpt.is_complete(out) and ckpt.verify_checkpoint(out) == []
+    assert [s for s, _ in ckpt.list_checkpoints(out, verify=True)] == [1, 2, 3]
+    assert [r["step"] for r in history(out)] == [1, 2, 3, 4]
+    print(f"run with a {timings['up'] - timings['killed']:.1f} s outage took {took:.1f} s")
