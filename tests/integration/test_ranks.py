@@ -157,3 +157,22 @@ def test_deepspeed_shards_go_to_s3_and_resume_from_there(tiny_model, s3_env, tmp
               f"{bucket}/straight/checkpoint-3", env=env)
     local = {name: storage.fetch_to_local(f"{bucket}/{name}", tmp_path / name) for name in ("straight", "resumed")}
     assert max_difference(weights(local["resumed"]), weights(local["straight"])) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_precomputed_reference_log_probs_are_computed_in_shares(mode, tiny_model, tmp_path):
+    """DPO's reference log-probs precomputed by two ranks (each scores its share, then they are gathered)
+    train to the weights one rank gets, and the checkpointed scores are the same numbers."""
+    args = ("--model", tiny_model, *COMMON[:-2], "--save_steps", "5", "--precompute_ref_log_probs", "true",
+            *stage_args("dpo", tmp_path))
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_cli("dpo", *args, "--output_dir", str(one), "--per_device_batch_size", "4")
+    train_cli("dpo", *args, "--output_dir", str(two), "--per_device_batch_size", "2", "--num_processes", "2",
+              *MODES[mode])
+    assert max_difference(weights(two), weights(one)) < 1e-4
+    scores = [json.loads((out / "checkpoint-5" / ckpt.STATE_DIR / "state.json").read_text())["extra"]["ref_logps"]
+              for out in (one, two)]
+    assert scores[0].keys() == scores[1].keys() == {"train", "eval"}
+    for split in scores[0]:
+        assert len(scores[0][split]) == len(scores[1][split])
+        assert max(abs(a - b) for x, y in zip(scores[0][split], scores[1][split]) for a, b in zip(x, y)) < 1e-4
