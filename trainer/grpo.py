@@ -4,7 +4,8 @@ One generation cycle:
 
     generate  G completions for each of B prompts (rollout engine: hf | vllm | vllm-server)
     score     every reward function -> [B*G, F]; weighted sum -> [B*G]
-    advantage normalise within each group of G (`scale_rewards`); zero-variance groups give 0
+    advantage normalise within each group of G (`scale_rewards`); zero-variance groups give 0;
+              or RLOO's leave-one-out baseline (`advantage_estimator: rloo`)
     reference trainer log-probs before the update (num_iterations > 1), reference model (beta > 0)
     update    `num_iterations` optimizer steps over the cycle's completions, each accumulating
               micro-batches of `per_device_batch_size` completions; clipped per-token ratio,
@@ -53,7 +54,14 @@ from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, describe_datasets, is_conversational, load_rows
 from trainer.logprobs import TargetLM
 from trainer.loop import MetricWindow, keep_freed_memory
-from trainer.losses import combine_rewards, group_advantages, nanstd, policy_loss, rollout_is_weights
+from trainer.losses import (
+    combine_rewards,
+    group_advantages,
+    nanstd,
+    policy_loss,
+    rloo_advantages,
+    rollout_is_weights,
+)
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name, score_completions
 from trainer.rollout import SamplingConfig, make_engine
@@ -89,6 +97,10 @@ class GRPOConfig(TrainConfig):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = option(
         "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
                 "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
+    advantage_estimator: Literal["grpo", "rloo"] = option(
+        "grpo", "grpo: (r − group mean) / std (`scale_rewards`); rloo: r minus the mean of the group's other "
+                "G − 1 rewards (REINFORCE leave-one-out, TRL's RLOOTrainer; `scale_rewards` unused). "
+                "https://arxiv.org/abs/2402.14740")
     scale_rewards: Literal["group", "batch", "none"] = option(
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
     mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
@@ -231,7 +243,10 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
     per_func = rewards.score(prompts, texts, data.rows, picked, G)  # [N, F]
     combined = combine_rewards(per_func, rewards.weights)  # [N]
     everyone = run.accelerator.gather(combined.to(run.device)).cpu()  # [world*N], rank order
-    advantages, stats = group_advantages(everyone, G, config.scale_rewards)
+    if config.advantage_estimator == "rloo":
+        advantages, stats = rloo_advantages(everyone, G)
+    else:
+        advantages, stats = group_advantages(everyone, G, config.scale_rewards)
     mine = advantages[run.rank * len(combined):(run.rank + 1) * len(combined)].to(run.device)  # [N]
     timings["timing/score"], t = time.perf_counter() - t, time.perf_counter()
 
