@@ -354,6 +354,22 @@ def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, toke
     return {k: v / count for k, v in sums.items()}
 
 
+def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) -> tuple[object, SamplingConfig]:
+    """The rollout engine (`rollout_engine`) for `model`, and the sampling of `n` completions per prompt.
+
+    Shared with PPO, whose config has the same rollout fields."""
+    config = run.config
+    engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=model_path,
+                         max_model_len=config.max_prompt_length + config.max_completion_length,
+                         dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
+                         seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                         server_devices=config.vllm_server_devices,
+                         synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
+    sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                              top_p=config.top_p, top_k=config.top_k, n=n, stop_token_ids=[tokenizer.eos_token_id])
+    return engine, sampling
+
+
 def push_weights(run: StageRunner, engine) -> None:
     """The new weights to the rollout engine (the hf engine generates with the training model itself)."""
     if run.config.rollout_engine == "hf":
@@ -417,15 +433,7 @@ def run_grpo(config: GRPOConfig) -> str:
                     wrap=TargetLM)
         if ref_model is not None:
             ref_model = distributed.prepare_reference(run.accelerator, TargetLM(ref_model))
-        engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
-                             max_model_len=config.max_prompt_length + config.max_completion_length,
-                             dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
-                             seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                             server_devices=config.vllm_server_devices,
-                             synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
-        sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                                  top_p=config.top_p, top_k=config.top_k, n=config.num_generations,
-                                  stop_token_ids=[tokenizer.eos_token_id])
+        engine, sampling = start_engine(run, model, tokenizer, resume or model_path, config.num_generations)
         try:
             # 3. The loop: generate -> score -> advantages -> update -> sync, each phase timed.
             while run.state.global_step < steps:
