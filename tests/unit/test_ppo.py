@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import grpo_config, ppo_config, rewards_of
+from tests.helpers import ROOT, grpo_config, ppo_config, rewards_of, train_cli
 from trainer import checkpoint as ckpt
 from trainer.config import ConfigError
 from trainer.grpo import run_grpo
@@ -97,3 +97,13 @@ def test_grpo_rloo_estimator_trains(tiny_model, tmp_path):
     a = load_file(tmp_path / "out" / "model.safetensors")
     b = load_file(Path(tiny_model) / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_trains_ppo_with_the_shipped_demo_config(tiny_model, tmp_path):
+    """`alignflow train ppo --config trainer/configs/ppo_demo.yaml` (the built-in demo prompts) runs end to end."""
+    out = tmp_path / "cli"
+    train_cli("ppo", "--config", str(ROOT / "trainer/configs/ppo_demo.yaml"), "--model", tiny_model,
+              "--output_dir", str(out), "--max_steps", "4", "--max_completion_length", "8", "--disable_progress_bar",
+              "true")
+    assert ckpt.is_complete(str(out)) and (out / "value_head.safetensors").exists()
+    assert len(ckpt.read_history(str(out))) >= 1
