@@ -53,6 +53,13 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Variance of the masked entries with Bessel's correction (as `masked_whiten` and TRL's `masked_var`)."""
+    mask = mask.to(x.dtype)
+    count = mask.sum()
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * count / (count - 1).clamp(min=1.0)
+
+
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the masked entries; var with Bessel's correction.
 
@@ -61,9 +68,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     """
     mask = mask.to(x.dtype)
     mean = masked_mean(x, mask)
-    count = mask.sum()
-    var = masked_mean((x - mean) ** 2, mask) * count / (count - 1).clamp(min=1.0)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
@@ -611,6 +616,18 @@ def value_loss(
             "ppo/val/error": masked_mean(losses_unclipped, mask),
         }
     return loss, stats
+
+
+@torch.no_grad()
+def value_stats(values: Tensor, returns: Tensor, mask: Tensor) -> Stats:
+    """How well the rollout-time values V predict the GAE returns R, over the masked tokens [N, T].
+
+    ``ppo/returns/mean``, ``ppo/returns/var``, and ``ppo/val/var_explained`` = 1 − Var(R − V)/Var(R)
+    (1: V predicts R exactly; 0: no better than a constant; negative: worse); 0 when Var(R) = 0.
+    """
+    var = masked_var(returns, mask)
+    explained = 1 - masked_var(returns - values, mask) / var if var > 0 else var.new_zeros(())
+    return {"ppo/returns/mean": masked_mean(returns, mask), "ppo/returns/var": var, "ppo/val/var_explained": explained}
 
 
 def kl_penalty_rewards(

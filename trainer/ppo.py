@@ -59,10 +59,10 @@ from trainer.losses import (
     combine_rewards,
     gae_advantages,
     kl_penalty_rewards,
-    masked_mean,
     masked_whiten,
     ppo_policy_loss,
     value_loss,
+    value_stats,
 )
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name
@@ -254,21 +254,11 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
         token_rewards = masked_whiten(token_rewards, mask, shift_mean=False)
     advantages, returns = gae_advantages(token_rewards, values, mask, config.gamma, config.lam)
     advantages = masked_whiten(advantages, mask)
-    stats = {k: float(v) for k, v in stats.items()}
-    stats.update({"objective/kl_coef": kl_coef, "ppo/returns/mean": float(masked_mean(returns, mask)),
-                  "ppo/returns/var": float(masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)),
-                  "ppo/val/var_explained": explained_variance(values, returns, mask)})
+    stats = {k: float(v) for k, v in {**stats, **value_stats(values, returns, mask)}.items()}
+    stats["objective/kl_coef"] = kl_coef
     timings["timing/advantages"] = time.perf_counter() - t
     return PPOTrajectory(batch, prompts, texts, per_func, scores, mask, logps, values, advantages, returns, stats,
                          timings)
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 − Var(R − V) / Var(R) over the completion tokens (TRL's `ppo/val/var_explained`)."""
-    var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return float(1 - var_residual / var) if var > 0 else 0.0
 
 
 def update(run: StageRunner, traj: PPOTrajectory, cycle: int) -> dict[str, float]:

@@ -29,6 +29,7 @@ from trainer.losses import (
     rloo_advantages,
     rollout_is_weights,
     value_loss,
+    value_stats,
 )
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -609,3 +610,17 @@ def test_adaptive_kl_controller_moves_kl_to_target(start):
     assert gaps[-1] < 0.02 * 6.0 < gaps[0]
     assert all(b <= a + 1e-9 for a, b in zip(gaps, gaps[1:])), "the gap to the target never grows"
     assert math.isclose(ctl.value, 0.1, rel_tol=0.02)
+
+
+def test_value_stats():
+    """V = (1, 2, 3), R = (2, 2, 5), a masked 4th token.
+    R: mean 3, deviations (−1, −1, 2), Σ² = 6, var (Bessel) 6/2 = 3.
+    R − V = (1, 0, 2): mean 1, deviations (0, −1, 1), Σ² = 2, var 1 -> var_explained 1 − 1/3 = 0.666667.
+    Constant returns: Var(R) = 0 -> var_explained 0.
+    """
+    values, returns, mask = t(1, 2, 3, 50), t(2, 2, 5, -50), t(1, 1, 1, 0)
+    stats = value_stats(values, returns, mask)
+    close(stats["ppo/returns/mean"], 3.0)
+    close(stats["ppo/returns/var"], 3.0)
+    close(stats["ppo/val/var_explained"], 2 / 3)
+    close(value_stats(values, t(1, 1, 1, 0), mask)["ppo/val/var_explained"], 0.0)
