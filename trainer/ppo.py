@@ -397,7 +397,7 @@ def run_ppo(config: PPOConfig) -> str:
 
             run.final_evaluation(evaluate_now)
             with run.gathered():
-                run.report.write(model)
+                run.report.write(torch.nn.ModuleList([model, head]))  # ranks compare policy and value head
             return run.finish()
         finally:
             engine.close()
