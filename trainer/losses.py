@@ -60,15 +60,31 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * count / (count - 1).clamp(min=1.0)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """(n, Σx, Σx²) over the masked entries, float64 [3]: summed over ranks, they give `masked_whiten`
+    the mean and variance of the whole batch."""
+    mask = mask.to(torch.float64)
+    x = x.to(torch.float64) * mask
+    return torch.stack([mask.sum(), x.sum(), (x * x).sum()])
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, moments: Tensor | None = None) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the masked entries; var with Bessel's correction.
 
     TRL's `masked_whiten`, used on PPO advantages. With ``shift_mean=False`` the mean is added back
-    (TRL's option for whitening rewards). Masked-out entries are set to 0.
+    (TRL's option for whitening rewards). Masked-out entries are set to 0. ``moments`` (from
+    `masked_moments`, summed over ranks) take mean = Σx/n and var = (Σx² − n·mean²)/(n − 1) from
+    the whole batch instead of this tensor.
     """
     mask = mask.to(x.dtype)
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + 1e-8)
+    if moments is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        n, total, squares = moments.to(torch.float64)
+        mean64 = total / n.clamp(min=1.0)
+        var64 = ((squares - n * mean64 * mean64) / (n - 1).clamp(min=1.0)).clamp(min=0.0)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask

@@ -22,8 +22,10 @@ starting policy: a frozen copy, or with LoRA the model with its adapter disabled
 
 Departures from TRL's `PPOTrainer`: `max_steps` counts optimizer steps (each PPO step takes
 `ppo_epochs × batch_size / mini_batch_size` of them); a completion that ends without EOS keeps its
-tokens (the penalty lowers its score); with several ranks each rank whitens over its own batch, as
-TRL does, and the KL controller sees the mean KL of all ranks.
+tokens (the penalty lowers its score); with several ranks, advantages (and rewards) are whitened
+over all ranks' tokens (TRL whitens each process's own), and the KL controller sees the mean KL of
+all ranks. With `mini_batch_size == batch_size`, N ranks therefore compute what one process does on
+the same global batch; smaller mini-batches are shuffled within each rank.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from trainer.losses import (
     combine_rewards,
     gae_advantages,
     kl_penalty_rewards,
+    masked_moments,
     masked_whiten,
     ppo_policy_loss,
     value_loss,
@@ -251,14 +254,20 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
 
     token_rewards, stats = kl_penalty_rewards(scores, logps, ref, mask, kl_coef)  # [N, C]
     if config.whiten_rewards:
-        token_rewards = masked_whiten(token_rewards, mask, shift_mean=False)
+        token_rewards = whiten(run, token_rewards, mask, shift_mean=False)
     advantages, returns = gae_advantages(token_rewards, values, mask, config.gamma, config.lam)
-    advantages = masked_whiten(advantages, mask)
+    advantages = whiten(run, advantages, mask)
     stats = {k: float(v) for k, v in {**stats, **value_stats(values, returns, mask)}.items()}
     stats["objective/kl_coef"] = kl_coef
     timings["timing/advantages"] = time.perf_counter() - t
     return PPOTrajectory(batch, prompts, texts, per_func, scores, mask, logps, values, advantages, returns, stats,
                          timings)
+
+
+def whiten(run: StageRunner, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """`masked_whiten` with the mean and variance of the whole PPO batch, all ranks' tokens."""
+    total = run.sum_over_ranks(dict(zip(("n", "sum", "squares"), masked_moments(x, mask).tolist())))
+    return masked_whiten(x, mask, shift_mean, moments=torch.tensor(list(total.values()), dtype=torch.float64))
 
 
 def update(run: StageRunner, traj: PPOTrajectory, cycle: int) -> dict[str, float]:
@@ -267,8 +276,11 @@ def update(run: StageRunner, traj: PPOTrajectory, cycle: int) -> dict[str, float
     micro = config.mini_batch_size // size
     window = MetricWindow()
     order = torch.Generator().manual_seed(config.seed * 1_000_003 + cycle)  # same shuffles on resume
+    n = len(traj.scores)
     for _ in range(config.ppo_epochs):
-        perm = torch.randperm(len(traj.scores), generator=order).to(run.device)
+        # One mini-batch per epoch: no shuffle, so that micro-batches (and their token means) are the
+        # same rows on one process as on N ranks of the same global batch.
+        perm = (torch.randperm(n, generator=order) if n > config.mini_batch_size else torch.arange(n)).to(run.device)
         for start in range(0, len(perm), config.mini_batch_size):
             step_stats, step_loss = MetricWindow(), 0.0
             for i in range(micro):

@@ -23,6 +23,7 @@ from trainer.losses import (
     k3_kl,
     kl_penalty_rewards,
     masked_mean,
+    masked_moments,
     masked_whiten,
     policy_loss,
     ppo_policy_loss,
@@ -515,6 +516,12 @@ def test_masked_whiten():
     x, mask = t(1, 2, 3, 100), t(1, 1, 1, 0)
     close(masked_whiten(x, mask), [-1.0, 0.0, 1.0, 0.0])
     close(masked_whiten(x, mask, shift_mean=False), [1.0, 2.0, 3.0, 0.0])
+
+    # Moments of the whole batch, summed from two halves (two ranks): the same whitening.
+    moments = masked_moments(x[:2], mask[:2]) + masked_moments(x[2:], mask[2:])
+    close(moments, [3.0, 6.0, 14.0])
+    close(masked_whiten(x, mask, moments=moments), [-1.0, 0.0, 1.0, 0.0])
+    close(masked_whiten(x[2:], mask[2:], shift_mean=False, moments=moments), [3.0, 0.0])
 
 
 def test_value_loss():
