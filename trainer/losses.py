@@ -80,7 +80,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, moments: Ten
     if moments is None:
         mean, var = masked_mean(x, mask), masked_var(x, mask)
     else:
-        n, total, squares = moments.to(torch.float64)
+        n, total, squares = moments.to(device=x.device, dtype=torch.float64)
         mean64 = total / n.clamp(min=1.0)
         var64 = ((squares - n * mean64 * mean64) / (n - 1).clamp(min=1.0)).clamp(min=0.0)
         mean, var = mean64.to(x.dtype), var64.to(x.dtype)
