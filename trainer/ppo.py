@@ -107,7 +107,7 @@ class PPOConfig(TrainConfig):
     adap_kl_ctrl: bool = option(False, "Adapt beta towards `target_kl` (proportional controller of Ziegler et al. "
                                        "2019). https://arxiv.org/abs/1909.08593")
     target_kl: float = option(6.0, "Target KL (summed over a completion's tokens) of the adaptive controller.")
-    horizon: int = option(10000, "Rollouts over which the adaptive controller corrects a 20% KL error by e^0.2.")
+    horizon: int = option(10000, "Rollouts over which the adaptive controller corrects a KL error of 20 percent or more by e^0.2.")
     missing_eos_penalty: float | None = option(None, "Subtract this from the score of completions that end without "
                                                      "EOS (hit max_completion_length); TRL's `missing_eos_penalty`.")
 

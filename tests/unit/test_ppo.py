@@ -107,3 +107,14 @@ def test_cli_trains_ppo_with_the_shipped_demo_config(tiny_model, tmp_path):
               "true")
     assert ckpt.is_complete(str(out)) and (out / "value_head.safetensors").exists()
     assert len(ckpt.read_history(str(out))) >= 1
+
+
+def test_cli_help_lists_ppo_fields(capsys):
+    from trainer import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "ppo", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for field in ("--mini_batch_size", "--adap_kl_ctrl", "--horizon", "--rollout_engine", "--reward_funcs"):
+        assert field in out, field
