@@ -55,6 +55,12 @@ def clock() -> float:
     return time.perf_counter()
 
 
+def cpu_clock() -> float:
+    """CPU time of this process (all threads): on a shared machine it counts the work a step did,
+    not the time other processes held the cores (with OMP_WAIT_POLICY=PASSIVE, waiting threads sleep)."""
+    return time.process_time()
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line, data and models
 
@@ -312,13 +318,16 @@ def torch_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def steady_steps(train_start: float, step_ends: list[float], warmup_steps: int, **per_step: list[float]) -> dict:
+def steady_steps(train_start: float, step_ends: list[float], warmup_steps: int,
+                 cpu: tuple[float, list[float]] | None = None, **per_step: list[float]) -> dict:
     """Throughput over the steps after the first `warmup_steps`.
 
     A step's time runs from the end of the previous optimizer step (or the start of training) to
     the end of its own. For each named count per step (`tokens=[...]`, `pairs=[...]`) gives
     `<name>_per_s` and `<name>_per_step` over the timed steps. `s_per_step` is their mean,
     `step_median_s` the median of the single timed steps (robust to a stall on a shared machine).
+    `cpu` = (CPU clock at the start of training, CPU clock at each step end) adds `cpu_s_per_step`,
+    the process's CPU seconds (all threads) per timed step.
     """
     warm = min(warmup_steps, len(step_ends) - 1)
     begin = step_ends[warm - 1] if warm else train_start
@@ -328,6 +337,9 @@ def steady_steps(train_start: float, step_ends: list[float], warmup_steps: int, 
     durations = [end - start for start, end in zip(starts[warm:], step_ends[warm:])]
     out = {"s_per_step": seconds / timed, "step_median_s": statistics.median(durations),
            "train_s": step_ends[-1] - train_start, "steps": len(step_ends)}
+    if cpu is not None:
+        cpu_start, cpu_ends = cpu
+        out["cpu_s_per_step"] = (cpu_ends[-1] - (cpu_ends[warm - 1] if warm else cpu_start)) / timed
     for name, counts in per_step.items():
         out[f"{name}_per_s"] = sum(counts[warm:]) / seconds
         out[f"{name}_per_step"] = sum(counts[warm:]) / timed
@@ -349,8 +361,9 @@ class StageProbe:
 
         self.marks: dict[str, float] = {"load_s": 0.0}
         self.step_ends: list[float] = []
+        self.cpu_ends: list[float] = []
         self.counts: list[dict[str, float]] = [{}]  # per step; the last entry is the step in progress
-        marks, step_ends, counts = self.marks, self.step_ends, self.counts
+        marks, step_ends, cpu_ends, counts = self.marks, self.step_ends, self.cpu_ends, self.counts
         load_fn, train_step, collate = getattr(stage, load), stage.train_step, stage.collate
         evaluate, save_checkpoint = getattr(stage, "evaluate", None), checkpoint.save_checkpoint
         signature = inspect.signature(collate)
@@ -372,9 +385,11 @@ class StageProbe:
             return batch
 
         def timed_train_step(*args, **kwargs):
-            marks.setdefault("train_start", clock())
+            if "train_start" not in marks:
+                marks["train_start_cpu"], marks["train_start"] = cpu_clock(), clock()
             out = train_step(*args, **kwargs)
             step_ends.append(clock())
+            cpu_ends.append(cpu_clock())
             counts.append({})
             return out
 
@@ -401,7 +416,8 @@ class StageProbe:
         names = sorted({name for c in self.counts for name in c})
         per_step = {name: [c.get(name, 0) for c in self.counts[:-1]] for name in names}
         m = self.marks
-        out = {**steady_steps(m["train_start"], self.step_ends, warmup_steps, **per_step),
+        out = {**steady_steps(m["train_start"], self.step_ends, warmup_steps,
+                              cpu=(m["train_start_cpu"], self.cpu_ends), **per_step),
                "data_s": m["load_start"] - imported, "load_s": m["load_s"],
                "save_s": m["save_end"] - m["save_start"], "rss_after_load_mb": m["rss_after_load_mb"]}
         if "eval_s" in m:
@@ -425,16 +441,19 @@ def trl_inputs(spec: dict) -> tuple[Any, Any, Any, dict]:
 
 
 def trl_step_timer(marks: dict[str, float], step_ends: list[float], last_logs: dict | None = None,
-                   after_step: Callable[[], None] | None = None) -> Any:
-    """A TRL callback: `marks["train_start"]`, one `step_ends` entry per optimizer step, the last logs."""
+                   after_step: Callable[[], None] | None = None, cpu_ends: list[float] | None = None) -> Any:
+    """A TRL callback: `marks["train_start"]` (and `"train_start_cpu"`), one `step_ends` (and
+    `cpu_ends`, CPU clock) entry per optimizer step, the last logs."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            marks["train_start"] = clock()
+            marks["train_start_cpu"], marks["train_start"] = cpu_clock(), clock()
 
         def on_step_end(self, args, state, control, **kwargs):
             step_ends.append(clock())
+            if cpu_ends is not None:
+                cpu_ends.append(cpu_clock())
             if after_step is not None:
                 after_step()
 

@@ -23,7 +23,9 @@ tokenizer), so neither trainer truncates and both see the same tokens.
 
 What is timed: the training steps only, as the time between the ends of consecutive optimizer
 steps (batching, policy and reference forwards, backward, clipping, optimizer), leaving out the
-first `--warmup-steps` ("s/step" is their mean, "median step s" the median single step).
+first `--warmup-steps` ("s/step" is their mean, "median step s" the median single step,
+"CPU s/step" the process's CPU seconds per step, all threads: on a shared machine it counts the
+work done rather than the time other processes held the cores).
 Imports, data preparation (reading and tokenizing), model loading (policy and reference) and
 saving are separate phases; "wall s" is the whole process, everything included. Pairs/s
 counts the pairs trained on in the timed steps; tokens/step (real, non-pad tokens of all 2B
@@ -83,6 +85,7 @@ def child_trl(spec: dict, started: float) -> dict:
 
     imported = common.clock()
     step_ends: list[float] = []
+    cpu_ends: list[float] = []
     step_tokens: dict[int, int] = {}
     marks: dict[str, float] = {"ref_load_s": 0.0}
     last_metrics: dict[str, float] = {}
@@ -109,7 +112,7 @@ def child_trl(spec: dict, started: float) -> dict:
     init_start = common.clock()
     trainer = common.token_counting(DPOTrainer, step_tokens)(model=model, args=args, train_dataset=rows,
                                                              processing_class=tokenizer,
-                                                             callbacks=[common.trl_step_timer(marks, step_ends, last_metrics)])
+                                                             callbacks=[common.trl_step_timer(marks, step_ends, last_metrics, cpu_ends=cpu_ends)])
     phases["load_s"] += marks["ref_load_s"]
     phases["data_s"] += common.clock() - init_start - marks["ref_load_s"]  # the constructor tokenizes
     phases["rss_after_load_mb"] = marks.get("rss_after_load")
@@ -119,7 +122,8 @@ def child_trl(spec: dict, started: float) -> dict:
     done = common.clock()
     tokens = [step_tokens.get(step, 0) for step in range(len(step_ends))]
     pairs = [spec["batch_size"]] * len(step_ends)
-    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"], pairs=pairs, tokens=tokens),
+    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"],
+                                cpu=(marks["train_start_cpu"], cpu_ends), pairs=pairs, tokens=tokens),
             **phases, "import_s": imported - started, "save_s": done - save_start, "total_s": done - started,
             "loss": last_metrics.get("train_loss"), "accuracy": last_metrics.get("rewards/accuracies")}
 
@@ -160,7 +164,7 @@ def prepare_data(source: Path, out: Path, model_dir: Path, num_pairs: int, max_l
 
 
 COLUMNS = [("pairs_per_s", "pairs/s"), ("tokens_per_s", "tok/s"), ("s_per_step", "s/step"),
-           ("step_median_s", "median step s"),
+           ("step_median_s", "median step s"), ("cpu_s_per_step", "CPU s/step"),
            ("peak_rss_mb", "peak RSS MB"), ("import_s", "import s"), ("data_s", "data s"), ("load_s", "load s"),
            ("train_s", "train s"), ("save_s", "save s"), ("wall_s", "wall s"), ("tokens_per_step", "tok/step"),
            ("loss", "loss")]

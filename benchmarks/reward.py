@@ -31,7 +31,9 @@ Each run is its own child process so that its peak RSS is the run's own. Phases 
 by wrapping the names `trainer.reward` calls (nothing else changes): data (reading, chat/text
 rendering, tokenizing), model load, training steps, the final evaluation, saving, and scoring.
 Training throughput leaves out the first `--warmup-steps` steps ("s/step" is the mean of the
-others, "median step s" their median); tokens are the real (non-pad) tokens of both texts of
+others, "median step s" their median, "CPU s/step" the process's CPU seconds per step, all
+threads: on a shared machine it counts the work done rather than the time other processes held
+the cores); tokens are the real (non-pad) tokens of both texts of
 every pair.
 """
 
@@ -121,6 +123,7 @@ def child_trl(spec: dict, started: float) -> dict:
 
     imported = common.clock()
     step_ends: list[float] = []
+    cpu_ends: list[float] = []
     step_tokens: dict[int, int] = {}
     marks: dict[str, float] = {}
 
@@ -153,7 +156,7 @@ def child_trl(spec: dict, started: float) -> dict:
     init_start = common.clock()
     trainer = common.token_counting(RewardTrainer, step_tokens)(
         model=model, args=args, train_dataset=train, processing_class=tokenizer,
-        callbacks=[common.trl_step_timer(marks, step_ends)])
+        callbacks=[common.trl_step_timer(marks, step_ends, cpu_ends=cpu_ends)])
     phases["data_s"] += common.clock() - init_start  # the constructor checks and filters the data
     trainer.train()
     train_end = common.clock()
@@ -164,7 +167,8 @@ def child_trl(spec: dict, started: float) -> dict:
     done = common.clock()
     tokens = [step_tokens.get(step, 0) for step in range(len(step_ends))]
     pairs = [spec["batch_size"]] * len(step_ends)
-    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"], pairs=pairs, tokens=tokens),
+    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"],
+                                cpu=(marks["train_start_cpu"], cpu_ends), pairs=pairs, tokens=tokens),
             **phases, "eval_accuracy": final_eval["eval_accuracy"], "eval_loss": final_eval["eval_loss"],
             "eval_margin": final_eval["eval_margin"], "train_pairs": sum(pairs),
             "import_s": imported - started, "eval_s": save_start - train_end, "save_s": done - save_start,
@@ -202,7 +206,8 @@ QUALITY = [("heldout_pairs", "held-out pairs"), ("eval_accuracy", "accuracy (tra
            ("scorer_accuracy", "accuracy (scorer)"), ("eval_loss", "eval loss"), ("eval_margin", "eval margin"),
            ("shorter_reply_accuracy", "shorter reply chosen")]
 SPEED = [("pairs_per_s", "train pairs/s"), ("tokens_per_s", "train tok/s"), ("s_per_step", "s/step"),
-         ("step_median_s", "median step s"), ("score_pairs_per_s", "score pairs/s"),
+         ("step_median_s", "median step s"), ("cpu_s_per_step", "CPU s/step"),
+         ("score_pairs_per_s", "score pairs/s"),
          ("rss_after_load_mb", "peak RSS MB: after load"), ("rss_after_train_mb", "after training"),
          ("peak_rss_mb", "whole run")]
 PHASES = ["import_s", "data_s", "load_s", "train_s", "eval_s", "save_s", "score_load_s", "score_s", "wall_s"]

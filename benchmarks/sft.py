@@ -13,7 +13,9 @@ alternate between the trainers and the table shows medians over `--repeats`.
 
 What is timed: the training steps only, as the time between the ends of consecutive optimizer
 steps (batch building, forward, backward, clipping, optimizer and scheduler), leaving out the
-first `--warmup-steps` ("s/step" is their mean, "median step s" the median single step).
+first `--warmup-steps` ("s/step" is their mean, "median step s" the median single step,
+"CPU s/step" the process's CPU seconds per step, all threads: on a shared machine it counts the
+work done rather than the time other processes held the cores).
 Imports, data preparation (tokenizing, packing), model loading and saving are separate phases.
 Tokens are counted the same way for both: the real (non-pad) input tokens of every micro-batch
 the model trains on.
@@ -73,6 +75,7 @@ def child_trl(spec: dict, started: float) -> dict:
 
     imported = common.clock()
     step_ends: list[float] = []
+    cpu_ends: list[float] = []
     step_tokens: dict[int, int] = {}
     marks: dict[str, float] = {}
     tokenizer, rows, model, phases = common.trl_inputs(spec)
@@ -86,14 +89,15 @@ def child_trl(spec: dict, started: float) -> dict:
     init_start = common.clock()
     trainer = common.token_counting(SFTTrainer, step_tokens)(model=model, args=args, train_dataset=rows,
                                                              processing_class=tokenizer,
-                                                             callbacks=[common.trl_step_timer(marks, step_ends)])
+                                                             callbacks=[common.trl_step_timer(marks, step_ends, cpu_ends=cpu_ends)])
     phases["data_s"] += common.clock() - init_start  # the constructor tokenizes and packs
     output = trainer.train()
     save_start = common.clock()
     trainer.save_model(spec["out_dir"])
     done = common.clock()
     tokens = [step_tokens.get(step, 0) for step in range(len(step_ends))]
-    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"], tokens=tokens), **phases,
+    return {**common.steady_steps(marks["train_start"], step_ends, spec["warmup_steps"],
+                                cpu=(marks["train_start_cpu"], cpu_ends), tokens=tokens), **phases,
             "import_s": imported - started, "save_s": done - save_start, "total_s": done - started,
             "loss": output.training_loss}
 
@@ -116,7 +120,7 @@ def prepare_data(source: Path, out: Path, num_examples: int) -> Path:
 
 
 COLUMNS = [("tokens_per_s", "tok/s"), ("s_per_step", "s/step"), ("step_median_s", "median step s"),
-           ("peak_rss_mb", "peak RSS MB"),
+           ("cpu_s_per_step", "CPU s/step"), ("peak_rss_mb", "peak RSS MB"),
            ("import_s", "import s"), ("data_s", "data s"), ("load_s", "load s"), ("train_s", "train s"),
            ("save_s", "save s"), ("tokens_per_step", "tok/step"), ("loss", "loss")]
 SANITY = ("tokens_per_step", "loss")  # checks that both did the same work, not ratios

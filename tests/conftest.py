@@ -12,11 +12,13 @@ from tests.servers import (  # noqa: E402
     dead_mlflow_uri,
     mlflow_server,
     restartable_mlflow,
+    restartable_s3,
     s3_env,
     s3_server,
 )
 
-__all__ = ["basic_auth_mlflow", "dead_mlflow_uri", "mlflow_server", "restartable_mlflow", "s3_env", "s3_server"]
+__all__ = ["basic_auth_mlflow", "dead_mlflow_uri", "mlflow_server", "restartable_mlflow", "restartable_s3",
+           "s3_env", "s3_server"]
 
 
 import pytest  # noqa: E402

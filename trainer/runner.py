@@ -39,7 +39,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer import distributed, storage
 from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed, step_batches
-from trainer.storage import fetch_to_local, is_remote
+from trainer.storage import is_remote
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,10 @@ class StageRunner:
 
     def resume_checkpoint(self) -> str | None:
         """The checkpoint to resume from (`resume_from_checkpoint`), fetched to a local folder; None to start afresh."""
-        resume = ckpt.resolve_resume(self.config.resume_from_checkpoint, self.config.output_dir)
-        self.resume = fetch_to_local(resume) if resume and is_remote(resume) else resume
+        config = self.config
+        self.resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir, fetch=True)
+        if self.resume:  # a verified local copy; from the same run, or refused / warned about
+            ckpt.check_same_run(self.resume, config, auto=config.resume_from_checkpoint == "auto")
         return self.resume
 
     def prepare(self, model: torch.nn.Module, total_steps: int, datasets: dict[str, dict],
@@ -113,9 +115,15 @@ class StageRunner:
         whose forward the stage calls; `self.module` stays the plain model, for saving and generation.
         `heads` (name -> module, e.g. PPO's value head) train with the model (`wrap` must hold them,
         so that DDP / DeepSpeed see their gradients) and are saved with every checkpoint as
-        `<name>.safetensors`; the stage restores them from `resume` before calling this.
+        `<name>.safetensors`; the stage restores them from `resume` before calling this. With `auto`, a
+        run whose final model is already in `output_dir` raises `checkpoint.RunFinished`
+        (docs/reliability.md).
         """
         config = self.config
+        if config.resume_from_checkpoint == "auto" and (done := ckpt.finished_run(config.output_dir, config, datasets)):
+            raise ckpt.RunFinished(done)
+        if self.resume:
+            ckpt.check_same_run(self.resume, config, auto=config.resume_from_checkpoint == "auto", datasets=datasets)
         distributed.seed_rank(config.seed, self.rank)
         self.module, self.total_steps, self.datasets = model, total_steps, datasets
         self.heads = heads or {}

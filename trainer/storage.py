@@ -4,13 +4,29 @@ Remote URIs (``s3://bucket/prefix``) are read by copying them into a local cache
 written by uploading a finished local folder. s3fs reads the usual AWS variables; a custom
 endpoint (SeaweedFS, MinIO) comes from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` or
 MLflow's ``MLFLOW_S3_ENDPOINT_URL``.
+
+Every remote operation here (upload, download, listing, probe) retries connection failures and
+the object store's 5xx answers with exponential backoff (1 s doubling to 30 s) for
+``ALIGNFLOW_S3_RETRY_SECONDS`` (default 180 s), then raises a one-line `StorageError`. An upload
+retries file by file, so the checkpoint's marker, written last, is only written once every file
+is there: a store that stays down leaves the previous checkpoint the newest complete one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+RETRY_ENV = "ALIGNFLOW_S3_RETRY_SECONDS"
+DEFAULT_RETRY_SECONDS = 180.0
+_T = TypeVar("_T")
 
 
 def is_remote(uri: str) -> bool:
@@ -47,35 +63,99 @@ def local_cache_path(uri: str) -> Path:
     return cache_dir() / "remote" / (f"rank{rank}" if rank else "") / f"{digest}-{Path(uri.rstrip('/')).name}"
 
 
+def retry_seconds() -> float:
+    """How long remote operations keep retrying a store that does not answer (``ALIGNFLOW_S3_RETRY_SECONDS``)."""
+    value = os.environ.get(RETRY_ENV)
+    try:
+        return max(0.0, float(value)) if value else DEFAULT_RETRY_SECONDS
+    except ValueError:
+        raise StorageError(f"{RETRY_ENV}={value!r} is not a number of seconds.") from None
+
+
+def _transient(err: BaseException) -> bool:
+    """A failure that a store coming back would cure: no connection, a dropped or timed-out one, a 5xx."""
+    if isinstance(err, ConnectionError | TimeoutError):
+        return True
+    try:
+        import botocore.exceptions as bce
+
+        if isinstance(err, bce.ConnectionError | bce.HTTPClientError):  # refused, reset, timed out, closed
+            return True
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        if isinstance(err, aiohttp.ClientConnectionError):
+            return True
+    except ImportError:
+        pass
+    text = str(err)
+    return isinstance(err, OSError) and not isinstance(err, FileNotFoundError | PermissionError) and any(
+        code in text for code in ("ServiceUnavailable", "InternalError", "SlowDown", "(503)", "(500)", "(502)"))
+
+
+def retrying(uri: str, what: str, call: Callable[[], _T]) -> _T:
+    """`call()`, retried with backoff while the store behind a remote `uri` does not answer (local: once).
+
+    After `retry_seconds()` it raises a one-line `StorageError`; other errors pass through at once."""
+    if not is_remote(uri):
+        return call()
+    budget = retry_seconds()
+    deadline, delay, attempt = time.monotonic() + budget, 1.0, 0
+    while True:
+        try:
+            return call()
+        except Exception as err:
+            if not _transient(err):
+                raise
+            attempt += 1
+            first_line = (str(err).splitlines() or [""])[0][:200]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StorageError(
+                    f"Cannot {what} {uri!r}: the object store did not answer for {budget:.0f} s ({attempt} attempt{'s' if attempt > 1 else ''}; "
+                    f"{type(err).__name__}: {first_line}). Check that it is up and reachable (AWS_ENDPOINT_URL), or "
+                    f"wait longer with {RETRY_ENV}.") from None
+            log.warning("Cannot %s %s (%s: %s); retrying in %.0f s (%.0f s of %.0f s left).", what, uri,
+                        type(err).__name__, first_line, min(delay, left), left, budget)
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 30.0)
+
+
 def fetch_to_local(uri: str, dest: str | Path | None = None) -> str:
     """Copy a remote file or prefix into a local folder (re-downloaded every call) and return the local path."""
     fs = filesystem(uri)
     try:
-        is_file = fs.isfile(uri)
-        exists = is_file or fs.isdir(uri)
+        is_file = retrying(uri, "read", lambda: fs.isfile(uri))
+        exists = is_file or retrying(uri, "read", lambda: fs.isdir(uri))
+    except StorageError:
+        raise
     except Exception as err:
-        raise OSError(f"Cannot reach {uri!r}: {type(err).__name__}: {err}. Check the S3 endpoint "
-                      "(AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).") from err
+        raise StorageError(f"Cannot read {uri!r} ({type(err).__name__}: {str(err)[:200]}); check the S3 endpoint "
+                           "(AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).") from None
     if not exists:
         raise FileNotFoundError(f"{uri!r} does not exist.")
     dest = Path(dest) if dest else local_cache_path(uri)
     if is_file:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fs.get(uri, str(dest))
+        retrying(uri, "download", lambda: fs.get(uri, str(dest)))
         return str(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    fs.get(uri.rstrip("/") + "/", str(dest) + "/", recursive=True)
+    retrying(uri, "download", lambda: fs.get(uri.rstrip("/") + "/", str(dest) + "/", recursive=True))
     return str(dest)
 
 
 def upload_dir(local: str | Path, uri: str, exclude: tuple[str, ...] = ()) -> None:
-    """Upload every file under `local` to the prefix `uri`, skipping names in `exclude` (relative paths)."""
+    """Upload every file under `local` to the prefix `uri`, skipping names in `exclude` (relative paths).
+    Each file is retried on its own (`retrying`), so an outage mid-upload resumes at the file it stopped at."""
     fs = filesystem(uri)
     local = Path(local)
     for path in sorted(local.rglob("*")):
         rel = path.relative_to(local).as_posix()
         if path.is_file() and rel not in exclude:
-            fs.put_file(str(path), f"{uri.rstrip('/')}/{rel}")
+            target = f"{uri.rstrip('/')}/{rel}"
+            retrying(target, "upload to", lambda path=path, target=target: fs.put_file(str(path), target))
 
 
 def join(base: str, *parts: str) -> str:
@@ -85,31 +165,49 @@ def join(base: str, *parts: str) -> str:
 
 
 def exists(uri: str) -> bool:
-    return filesystem(uri).exists(uri)
+    fs = filesystem(uri)
+    return retrying(uri, "read", lambda: fs.exists(uri))
 
 
 def list_dirs(uri: str) -> list[str]:
     """Names of the immediate sub-folders of a local folder or remote prefix ([] if it does not exist)."""
     fs = filesystem(uri)
     try:
-        entries = fs.ls(uri, detail=True)
+        entries = retrying(uri, "list", lambda: fs.ls(uri, detail=True))
     except FileNotFoundError:
         return []
     return [Path(e["name"].rstrip("/")).name for e in entries if e["type"] == "directory"]
+
+
+def read_text(uri: str) -> str:
+    fs = filesystem(uri)
+    return retrying(uri, "read", lambda: fs.cat_file(uri).decode())
+
+
+def find_sizes(uri: str) -> dict[str, int]:
+    """Every file under a folder or prefix as {relative path: size}, from one listing."""
+    fs = filesystem(uri)
+    root = fs._strip_protocol(uri).rstrip("/")
+    found = retrying(uri, "list", lambda: fs.find(root, detail=True))
+    return {path[len(root):].lstrip("/"): entry.get("size") for path, entry in found.items()}
 
 
 def write_text(uri: str, text: str) -> None:
     fs = filesystem(uri)
     if not is_remote(uri):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
-    with fs.open(uri, "w") as fh:
-        fh.write(text)
+
+    def write() -> None:
+        with fs.open(uri, "w") as fh:
+            fh.write(text)
+
+    retrying(uri, "write", write)
 
 
 def remove(uri: str) -> None:
     fs = filesystem(uri)
-    if fs.exists(uri):
-        fs.rm(uri, recursive=True)
+    if retrying(uri, "read", lambda: fs.exists(uri)):
+        retrying(uri, "delete", lambda: fs.rm(uri, recursive=True))
 
 
 class StorageError(OSError):
@@ -122,9 +220,13 @@ def check_writable(uri: str) -> None:
     import uuid
 
     probe = join(uri, f".alignflow-write-probe-{uuid.uuid4().hex[:12]}")
-    try:
-        write_text(probe, "alignflow checks that it can write here\n")
-        remove(probe)
+    fs = filesystem(probe)
+    try:  # one attempt, no retries: a store that is down at the start fails the run in seconds
+        if not is_remote(probe):
+            Path(probe).parent.mkdir(parents=True, exist_ok=True)
+        with fs.open(probe, "w") as fh:
+            fh.write("alignflow checks that it can write here\n")
+        fs.rm(probe)
     except Exception as err:  # OSError, botocore's ClientError / EndpointConnectionError, ...
         hint = ("check the S3 endpoint (AWS_ENDPOINT_URL) and credentials (AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY) and that the bucket exists" if is_remote(uri)
@@ -141,8 +243,8 @@ def fingerprint(uri: str) -> str:
     turns new data at an unchanged URI into a new cache key."""
     fs = filesystem(uri)
     root = fs._strip_protocol(uri).rstrip("/")
-    info = fs.info(root)
-    entries = fs.find(root, detail=True) if info["type"] == "directory" else {root: info}
+    info = retrying(uri, "list", lambda: fs.info(root))
+    entries = retrying(uri, "list", lambda: fs.find(root, detail=True)) if info["type"] == "directory" else {root: info}
     digest = hashlib.sha256()
     for path in sorted(entries):
         entry = entries[path]

@@ -135,7 +135,7 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     rows = {(r["stage"], r["layout"]): r for r in summary["stages"]}
     assert {stage for stage, _ in rows} == {"sft", "reward", "dpo", "grpo"}
     assert all(r["exit_code"] == 0 and r["steps"] == 2 and r["device"] == "cpu" for r in rows.values())
-    assert {r["world_size"] for r in rows.values()} == {1, 2}
+    assert {r["world_size"] for r in rows.values()} == {1, 2} and rows["sft", "2 ranks, ZeRO-3"]["zero_stage"] == 3
 
 
 def test_deepspeed_shards_go_to_s3_and_resume_from_there(tiny_model, s3_env, tmp_path):

@@ -1,5 +1,6 @@
 """GRPO stage with the hf rollout engine: learns a toy task, validates inputs, resumes."""
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -277,3 +278,37 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
         run_grpo(grpo_config(tiny_model, tmp_path, dataset=str(sft_data)))
     with pytest.raises(ValueError, match="Unknown reward function"):
         run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=["no_such_reward"]))
+
+
+def test_eval_dataset_is_scored_every_eval_steps_and_at_the_end(tiny_model, tmp_path):
+    """GRPO evaluates held-out prompts (TRL's eval_reward) every `eval_steps` and after the last step."""
+    held_out = prompts_file(tmp_path / "held_out.jsonl", n=5)
+    run_grpo(grpo_config(tiny_model, tmp_path, max_steps=4, eval_dataset=held_out, eval_steps=2, logging_steps=1))
+    records = ckpt.read_history(str(tmp_path / "out"))
+    evals = [r for r in records if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [2, 4], evals
+    assert all(0.0 <= r["eval_reward"] <= 1.0 and r["eval_rewards/target_frequency/mean"] == r["eval_reward"]
+               for r in evals)
+    manifest = json.loads((tmp_path / "out" / ckpt.MANIFEST).read_text())
+    assert manifest["metrics"]["eval_reward"] == evals[-1]["eval_reward"]
+    assert manifest["datasets"]["eval"]["rows"] == 5
+
+
+def test_truncation_mode_and_unsupported_eval_split(tiny_model, tmp_path):
+    from trainer.grpo import load_prompts
+    from trainer.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    path = prompts_file(tmp_path / "p.jsonl", n=4)
+    full = load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=64))
+    cut = {mode: load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=3,
+                                                                     truncation_mode=mode))
+           for mode in ("keep_end", "keep_start")}
+    assert all(len(ids) > 3 for ids in full.token_ids)
+    assert cut["keep_end"].token_ids == [ids[-3:] for ids in full.token_ids]
+    assert cut["keep_start"].token_ids == [ids[:3] for ids in full.token_ids]
+    with pytest.raises(DataError, match="no prompts left"):
+        load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=3,
+                                                           truncation_mode="drop"))
+    with pytest.raises(ConfigError, match="eval_split_ratio"):
+        run_grpo(grpo_config(tiny_model, tmp_path, eval_split_ratio=0.1))

@@ -1,0 +1,140 @@
+"""Checkpoint integrity and `resume_from_checkpoint auto`: the marker lists every file's size and
+sha256, a corrupt checkpoint is passed over (auto) or refused (explicit path), a finished run is
+recognised, and a changed run is refused."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import history, write_jsonl
+from trainer import checkpoint as ckpt
+from trainer.cli import main
+from trainer.sft import SFTConfig, run_sft
+
+
+def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
+    values = dict(model=model, dataset="demo", output_dir=str(out), max_steps=6, per_device_batch_size=8,
+                  learning_rate=3e-3, logging_steps=1, max_length=128, num_sample_completions=0,
+                  disable_progress_bar=True, save_steps=2, save_total_limit=0)
+    values.update(overrides)
+    return SFTConfig(**values)
+
+
+def marker(folder: Path) -> dict:
+    return json.loads((folder / ckpt.COMPLETE_MARKER).read_text())
+
+
+def test_marker_lists_sizes_and_hashes_and_auto_passes_over_a_truncated_file(tiny_model, tmp_path, caplog):
+    out = tmp_path / "run"
+    run_sft(sft_config(tiny_model, out))
+    newest = out / "checkpoint-4"
+    listed = {f["path"]: f for f in marker(newest)["files"]}
+    weights = newest / "model.safetensors"
+    assert listed["model.safetensors"]["size"] == weights.stat().st_size
+    assert "training_state/optimizer.pt" in listed and ckpt.MANIFEST in listed
+    # The final model's marker lists its own files, not the step checkpoints beside them.
+    assert not any(p.startswith("checkpoint-") for p in (f["path"] for f in marker(out)["files"]))
+    assert ckpt.verify_checkpoint(str(newest)) == []
+
+    # A file cut short under a marker (a disk that filled up, a copy that stopped).
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    assert "model.safetensors has" in ckpt.verify_checkpoint(str(newest))[0]
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        assert ckpt.resolve_resume("auto", str(out)) == str(out / "checkpoint-2")
+    assert any("checkpoint-4 is corrupt" in r.getMessage() for r in caplog.records)
+    assert [s for s, _ in ckpt.list_checkpoints(str(out), verify=True)] == [2]
+    assert [s for s, _ in ckpt.list_checkpoints(str(out))] == [2, 4]  # the plain listing reads markers only
+    with pytest.raises(ckpt.CheckpointError, match="corrupt: model.safetensors has"):
+        ckpt.resolve_resume(str(newest), str(out))
+
+    # Same size, different bytes: only the hash sees it.
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(flipped))
+    assert ckpt.verify_checkpoint(str(newest)) == ["model.safetensors does not match its sha256 in the marker"]
+    assert ckpt.verify_checkpoint(str(newest), hashes=False) == []
+
+    # A longer run resumes from checkpoint-2, rewrites checkpoint-4 and finishes; with save_total_limit
+    # 1 the corrupt newer checkpoint never pushes out the one just written.
+    run_sft(sft_config(tiny_model, out, max_steps=8, save_total_limit=1, resume_from_checkpoint="auto"))
+    assert [r["step"] for r in history(out)] == list(range(1, 9))
+    assert [s for s, _ in ckpt.list_checkpoints(str(out), verify=True)] == [6]
+
+
+def test_markers_without_a_file_list_still_count(tiny_model, tmp_path):
+    out = tmp_path / "old"
+    run_sft(sft_config(tiny_model, out, max_steps=3))
+    (out / "checkpoint-2" / ckpt.COMPLETE_MARKER).write_text(json.dumps({"step": 2, "time": 0}))
+    assert ckpt.verify_checkpoint(str(out / "checkpoint-2")) == []
+    assert ckpt.resolve_resume("auto", str(out)) == str(out / "checkpoint-2")
+    (out / "checkpoint-2" / ckpt.COMPLETE_MARKER).write_text("not json")
+    assert "unreadable" in ckpt.verify_checkpoint(str(out / "checkpoint-2"))[0]
+
+
+def cli(model: str, out: Path, *extra: str) -> list[str]:
+    return ["train", "sft", "--model", model, "--dataset", "demo", "--output_dir", str(out), "--max_steps", "4",
+            "--save_steps", "2", "--per_device_batch_size", "8", "--learning_rate", "0.003", "--max_length", "128",
+            "--num_sample_completions", "0", "--disable_progress_bar", "true", "--logging_steps", "1", *extra]
+
+
+def test_rerunning_a_finished_run_with_auto_trains_nothing(tiny_model, tmp_path, capsys):
+    out = tmp_path / "done"
+    assert main(cli(tiny_model, out, "--resume_from_checkpoint", "auto")) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(cli(tiny_model, out, "--resume_from_checkpoint", "auto")) == 0
+    said = capsys.readouterr().out
+    assert "already holds this run's finished model (step 4" in said and "Saved to" not in said
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before, "files were rewritten"
+    # The library call says so with an exception (the CLI turns it into exit 0).
+    with pytest.raises(ckpt.RunFinished):
+        run_sft(sft_config(tiny_model, out, max_steps=4, per_device_batch_size=8, resume_from_checkpoint="auto"))
+    # A longer plan is not finished: it continues from the newest step checkpoint.
+    assert main(cli(tiny_model, out, "--resume_from_checkpoint", "auto", "--max_steps", "5")) == 0
+    assert [r["step"] for r in history(out)] == [1, 2, 3, 4, 5]
+
+
+def test_auto_refuses_a_changed_run_and_an_explicit_path_warns(tiny_model, tmp_path, capsys, caplog):
+    out = tmp_path / "changed"
+    data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Say {w}.", "completion": f" {w}"}
+                                                  for w in ["red", "green", "blue", "pink"] * 8])
+    run_sft(sft_config(tiny_model, out, dataset=data, max_steps=4))
+    weights = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+
+    # A new learning rate: one line, exit 2, nothing trained or overwritten.
+    assert main(cli(tiny_model, out, "--dataset", data, "--learning_rate", "0.01",
+                    "--resume_from_checkpoint", "auto")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "different run (learning_rate 0.003 -> 0.01)" in err
+    assert "pass the checkpoint's path" in err
+
+    # New rows in the same file: the fingerprint differs.
+    write_jsonl(Path(data), [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["gold", "cyan"] * 16])
+    with pytest.raises(ckpt.CheckpointError, match="training data fingerprint"):
+        run_sft(sft_config(tiny_model, out, dataset=data, max_steps=4, resume_from_checkpoint="auto"))
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert ckpt.is_complete(str(out))
+
+    # Naming the checkpoint continues it with the new settings, loudly.
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        run_sft(sft_config(tiny_model, tmp_path / "branch", dataset=data, max_steps=4, learning_rate=0.01,
+                           resume_from_checkpoint=str(out / "checkpoint-2")))
+    warned = [r.getMessage() for r in caplog.records if "RESUMING A CHANGED RUN" in r.getMessage()]
+    assert any("learning_rate" in w for w in warned) and any("fingerprint" in w for w in warned)
+    assert [r["step"] for r in history(tmp_path / "branch")] == [1, 2, 3, 4]
+
+
+def test_data_fingerprint_is_the_rows_content(tmp_path):
+    """Same rows loaded from another path (or re-downloaded) -> same fingerprint; one changed value -> another."""
+    from trainer.data import dataset_fingerprint, load_rows
+
+    rows = [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["red", "green", "blue"]]
+    a = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "a.jsonl", rows), "train"))
+    b = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "b.jsonl", rows), "train"))
+    rows[1]["completion"] = " GREEN"
+    c = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "c.jsonl", rows), "train"))
+    assert a == b != c and a.startswith("sha256-")
