@@ -73,6 +73,19 @@ def grpo_config(model: str, tmp_path: Path, **overrides):
     return GRPOConfig(**values)
 
 
+def ppo_config(model: str, tmp_path: Path, **overrides):
+    """A PPOConfig for the same toy task: 16 rollouts per PPO step, 2 mini-batches, 1 epoch."""
+    from trainer.ppo import PPOConfig
+
+    values = dict(model=model, dataset=prompts_file(tmp_path / "prompts.jsonl"), output_dir=str(tmp_path / "out"),
+                  reward_funcs=[f"{__name__}:target_frequency"], batch_size=16, mini_batch_size=8,
+                  per_device_batch_size=8, ppo_epochs=1, max_completion_length=12, max_prompt_length=32,
+                  learning_rate=1e-2, max_steps=4, temperature=1.0, disable_progress_bar=True,
+                  log_completions_steps=0)
+    values.update(overrides)
+    return PPOConfig(**values)
+
+
 def rewards_of(out: Path) -> list[float]:
     return [r["reward"] for r in ckpt.read_history(str(out)) if "reward" in r]
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from trainer import storage
 from trainer.tracking import git_sha, redact_secrets
@@ -134,10 +135,11 @@ def _write_state(dest: Path, state: TrainState, optimizer, scheduler) -> None:
 
 def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], history: list[dict[str, Any]],
                     state: TrainState | None = None, optimizer=None, scheduler=None,
-                    merge_lora: bool = False) -> str:
+                    merge_lora: bool = False, heads: dict[str, Any] | None = None) -> str:
     """Write a complete checkpoint to `dest` (local folder or remote prefix); returns `dest`.
 
     `state`, `optimizer` and `scheduler` make it resumable; leave them out for a final model.
+    `heads` (name -> module, e.g. PPO's value head) are saved next to the model as `<name>.safetensors`.
     """
     check_finite(model)
     remote = storage.is_remote(dest)
@@ -151,6 +153,9 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         model.save_pretrained(staging, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        for name, head in (heads or {}).items():
+            save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
+                      staging / f"{name}.safetensors")
         if merge_lora and hasattr(model, "merge_and_unload"):
             _save_merged(model, tokenizer, staging / "merged")
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
@@ -167,6 +172,15 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         if remote:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def load_head(folder: str, name: str, head) -> None:
+    """Restore a head saved by `save_checkpoint(heads=...)` from a local checkpoint folder, exactly."""
+    path = Path(folder) / f"{name}.safetensors"
+    if not path.exists():
+        raise ValueError(f"{folder!r} has no {path.name}: it was not written by a stage with a {name}; resume from "
+                         "a checkpoint of the same stage, or start a new run from it with `model`.")
+    head.load_state_dict(load_file(path))
 
 
 # Written into a checkpoint folder by others, never listed in its marker: step checkpoints inside

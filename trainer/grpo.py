@@ -4,7 +4,8 @@ One generation cycle:
 
     generate  G completions for each of B prompts (rollout engine: hf | vllm | vllm-server)
     score     every reward function -> [B*G, F]; weighted sum -> [B*G]
-    advantage normalise within each group of G (`scale_rewards`); zero-variance groups give 0
+    advantage normalise within each group of G (`scale_rewards`); zero-variance groups give 0;
+              or RLOO's leave-one-out baseline (`advantage_estimator: rloo`)
     reference trainer log-probs before the update (num_iterations > 1), reference model (beta > 0)
     update    `num_iterations` optimizer steps over the cycle's completions, each accumulating
               micro-batches of `per_device_batch_size` completions; clipped per-token ratio,
@@ -53,7 +54,14 @@ from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, describe_datasets, is_conversational, load_rows
 from trainer.logprobs import TargetLM
 from trainer.loop import MetricWindow, keep_freed_memory
-from trainer.losses import combine_rewards, group_advantages, nanstd, policy_loss, rollout_is_weights
+from trainer.losses import (
+    combine_rewards,
+    group_advantages,
+    nanstd,
+    policy_loss,
+    rloo_advantages,
+    rollout_is_weights,
+)
 from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from trainer.rewards import load_reward_function, reward_name, score_completions
 from trainer.rollout import SamplingConfig, make_engine
@@ -89,6 +97,10 @@ class GRPOConfig(TrainConfig):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = option(
         "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
                 "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
+    advantage_estimator: Literal["grpo", "rloo"] = option(
+        "grpo", "grpo: (r − group mean) / std (`scale_rewards`); rloo: r minus the mean of the group's other "
+                "G − 1 rewards (REINFORCE leave-one-out, TRL's RLOOTrainer; `scale_rewards` unused). "
+                "https://arxiv.org/abs/2402.14740")
     scale_rewards: Literal["group", "batch", "none"] = option(
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
     mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
@@ -231,7 +243,10 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
     per_func = rewards.score(prompts, texts, data.rows, picked, G)  # [N, F]
     combined = combine_rewards(per_func, rewards.weights)  # [N]
     everyone = run.accelerator.gather(combined.to(run.device)).cpu()  # [world*N], rank order
-    advantages, stats = group_advantages(everyone, G, config.scale_rewards)
+    if config.advantage_estimator == "rloo":
+        advantages, stats = rloo_advantages(everyone, G)
+    else:
+        advantages, stats = group_advantages(everyone, G, config.scale_rewards)
     mine = advantages[run.rank * len(combined):(run.rank + 1) * len(combined)].to(run.device)  # [N]
     timings["timing/score"], t = time.perf_counter() - t, time.perf_counter()
 
@@ -339,6 +354,22 @@ def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, toke
     return {k: v / count for k, v in sums.items()}
 
 
+def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) -> tuple[object, SamplingConfig]:
+    """The rollout engine (`rollout_engine`) for `model`, and the sampling of `n` completions per prompt.
+
+    Shared with PPO, whose config has the same rollout fields."""
+    config = run.config
+    engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=model_path,
+                         max_model_len=config.max_prompt_length + config.max_completion_length,
+                         dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
+                         seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                         server_devices=config.vllm_server_devices,
+                         synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
+    sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                              top_p=config.top_p, top_k=config.top_k, n=n, stop_token_ids=[tokenizer.eos_token_id])
+    return engine, sampling
+
+
 def push_weights(run: StageRunner, engine) -> None:
     """The new weights to the rollout engine (the hf engine generates with the training model itself)."""
     if run.config.rollout_engine == "hf":
@@ -402,15 +433,7 @@ def run_grpo(config: GRPOConfig) -> str:
                     wrap=TargetLM)
         if ref_model is not None:
             ref_model = distributed.prepare_reference(run.accelerator, TargetLM(ref_model))
-        engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=resume or model_path,
-                             max_model_len=config.max_prompt_length + config.max_completion_length,
-                             dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
-                             seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                             server_devices=config.vllm_server_devices,
-                             synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
-        sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                                  top_p=config.top_p, top_k=config.top_k, n=config.num_generations,
-                                  stop_token_ids=[tokenizer.eos_token_id])
+        engine, sampling = start_engine(run, model, tokenizer, resume or model_path, config.num_generations)
         evaluate_now = (lambda: evaluate(run, engine, eval_data, rewards, tokenizer, sampling)) if eval_data else None
         try:
             # 3. The loop: generate -> score -> advantages -> update -> sync, each phase timed.

@@ -21,6 +21,7 @@ class TargetLogits:
     targets: torch.Tensor  # [N] token ids being predicted
     rows: torch.Tensor  # [N] batch row of each target
     cols: torch.Tensor  # [N] position of each target token in its row
+    hidden: torch.Tensor | None = None  # [N, H] last hidden state at the predicting positions (`with_hidden`)
 
 
 def _causal_lm_parts(model):
@@ -52,9 +53,11 @@ def target_positions(target_mask: torch.Tensor, sources: torch.Tensor | None = N
 
 def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  sources: torch.Tensor | None = None, model_kwargs: dict | None = None) -> TargetLogits:
+                  sources: torch.Tensor | None = None, model_kwargs: dict | None = None,
+                  with_hidden: bool = False) -> TargetLogits:
     """Logits for every token marked in `target_mask` [B, T], predicted from the token before it
     (or from the column `sources` [B, T] names, see `trainer.attention.share_prompts`).
+    `with_hidden` also returns the last hidden states there (PPO's value head reads them).
 
     Packed rows pass `position_ids` (restarting at 0 per example) and no attention mask;
     transformers then builds a block-diagonal causal mask. A 4D `attention_mask` is used as given.
@@ -68,14 +71,16 @@ def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
     parts = _causal_lm_parts(model)
     if parts is None:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                    **(model_kwargs or {}))
+                    output_hidden_states=with_hidden, **(model_kwargs or {}))
         logits = out.logits[rows, src]
+        hidden = out.hidden_states[-1][rows, src] if with_hidden else None
     else:
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, **(model_kwargs or {})).last_hidden_state  # [B, T, H]
-        logits = head(hidden[rows, src])  # [N, V]
-    return TargetLogits(logits=logits, targets=input_ids[rows, cols], rows=rows, cols=cols)
+                         use_cache=False, **(model_kwargs or {})).last_hidden_state[rows, src]  # [N, H]
+        logits = head(hidden)  # [N, V]
+        hidden = hidden if with_hidden else None
+    return TargetLogits(logits=logits, targets=input_ids[rows, cols], rows=rows, cols=cols, hidden=hidden)
 
 
 

@@ -53,16 +53,37 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Variance of the masked entries with Bessel's correction (as `masked_whiten` and TRL's `masked_var`)."""
+    mask = mask.to(x.dtype)
+    count = mask.sum()
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask) * count / (count - 1).clamp(min=1.0)
+
+
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """(n, Σx, Σx²) over the masked entries, float64 [3]: summed over ranks, they give `masked_whiten`
+    the mean and variance of the whole batch."""
+    mask = mask.to(torch.float64)
+    x = x.to(torch.float64) * mask
+    return torch.stack([mask.sum(), x.sum(), (x * x).sum()])
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, moments: Tensor | None = None) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the masked entries; var with Bessel's correction.
 
     TRL's `masked_whiten`, used on PPO advantages. With ``shift_mean=False`` the mean is added back
-    (TRL's option for whitening rewards). Masked-out entries are set to 0.
+    (TRL's option for whitening rewards). Masked-out entries are set to 0. ``moments`` (from
+    `masked_moments`, summed over ranks) take mean = Σx/n and var = (Σx² − n·mean²)/(n − 1) from
+    the whole batch instead of this tensor.
     """
     mask = mask.to(x.dtype)
-    mean = masked_mean(x, mask)
-    count = mask.sum()
-    var = masked_mean((x - mean) ** 2, mask) * count / (count - 1).clamp(min=1.0)
+    if moments is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        n, total, squares = moments.to(device=x.device, dtype=torch.float64)
+        mean64 = total / n.clamp(min=1.0)
+        var64 = ((squares - n * mean64 * mean64) / (n - 1).clamp(min=1.0)).clamp(min=0.0)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -325,6 +346,38 @@ def group_advantages(
     return advantages, stats
 
 
+def rloo_advantages(rewards: Tensor, num_generations: int) -> tuple[Tensor, Stats]:
+    """A_i = r_i − mean_{j≠i} r_j: REINFORCE with a leave-one-out baseline, per group of G completions.
+
+    Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al. 2024,
+    "Back to Basics" (RLOO, arXiv:2402.14740, Eq. 5); TRL's `RLOOTrainer` with its default
+    ``normalize_advantages=False``. Equivalently A_i = G/(G − 1)·(r_i − mean_group(r)): the
+    baseline of each sample does not depend on the sample, so the estimate is unbiased.
+    NaN rewards (unscorable) are left out: with k scored samples in a group the baseline is the
+    mean of the other k − 1, and a sample with no scored neighbour (or unscorable) gets 0.
+    ``rewards`` [B*G] -> advantages [B*G]; stats as `group_advantages` (``frac_reward_zero_std``:
+    fraction of groups whose rewards are all equal, whose advantages are all 0).
+    """
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}.")
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    grouped = rewards.view(-1, num_generations)  # [B, G]
+    scored = ~torch.isnan(grouped)  # [B, G]
+    count = scored.sum(dim=1, keepdim=True).to(grouped.dtype)  # [B, 1]
+    total = grouped.nansum(dim=1, keepdim=True)  # [B, 1]
+    others = (count - 1).clamp(min=1.0)
+    baseline = (total - grouped.nan_to_num()) / others  # [B, G] mean of the other scored samples
+    advantages = torch.where(scored & (count > 1), grouped - baseline, 0.0).view(-1)  # [B*G]
+    std = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(count)
+    stats = {
+        "reward": torch.nanmean(rewards),
+        "reward_std": nanstd(rewards),
+        "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean(),
+    }
+    return advantages, stats
+
+
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     """Per-token KL(πθ ‖ πref) estimate k3 = exp(ref − logp) − (ref − logp) − 1 ≥ 0.
 
@@ -500,8 +553,28 @@ def policy_loss(
     return loss, stats
 
 
+def ppo_policy_loss(
+    logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
+) -> tuple[Tensor, Stats]:
+    """PPO's clipped surrogate per token, averaged over the micro-batch's active tokens.
+
+        ℓ = mean_masked( max(−A_t·r_t, −A_t·clip(r_t, 1 − ε, 1 + ε)) ),   r_t = exp(logp_t − old_logp_t)
+
+    Schulman et al. 2017, Eq. 7; this is `policy_loss` with per-token advantages [N, T] and
+    ``bnpo`` aggregation, which is TRL `PPOTrainer`'s ``masked_mean`` over the micro-batch.
+    Stats (TRL's historic PPO names): ``ppo/loss/policy``, ``ppo/policy/clipfrac`` (tokens whose
+    clipped term is the larger, i.e. whose gradient the clip removes), ``ppo/policy/approxkl``
+    (½·mean (logp − old_logp)², the k2 estimator TRL logs).
+    """
+    loss, stats = policy_loss(logps, old_logps, advantages, mask, loss_type="bnpo", epsilon=cliprange)
+    with torch.no_grad():
+        approxkl = 0.5 * masked_mean((logps - old_logps) ** 2, mask)
+    return loss, {"ppo/loss/policy": loss.detach(), "ppo/policy/clipfrac": stats["clip_ratio/region_mean"],
+                  "ppo/policy/approxkl": approxkl}
+
+
 # ---------------------------------------------------------------------------------------------
-# PPO: GAE and the clipped value loss
+# PPO: per-token KL reward, GAE, the clipped value loss, KL control
 # ---------------------------------------------------------------------------------------------
 
 
@@ -559,3 +632,79 @@ def value_loss(
             "ppo/val/error": masked_mean(losses_unclipped, mask),
         }
     return loss, stats
+
+
+@torch.no_grad()
+def value_stats(values: Tensor, returns: Tensor, mask: Tensor) -> Stats:
+    """How well the rollout-time values V predict the GAE returns R, over the masked tokens [N, T].
+
+    ``ppo/returns/mean``, ``ppo/returns/var``, and ``ppo/val/var_explained`` = 1 − Var(R − V)/Var(R)
+    (1: V predicts R exactly; 0: no better than a constant; negative: worse); 0 when Var(R) = 0.
+    """
+    var = masked_var(returns, mask)
+    explained = 1 - masked_var(returns - values, mask) / var if var > 0 else var.new_zeros(())
+    return {"ppo/returns/mean": masked_mean(returns, mask), "ppo/returns/var": var, "ppo/val/var_explained": explained}
+
+
+def kl_penalty_rewards(
+    scores: Tensor, logps: Tensor, ref_logps: Tensor, mask: Tensor, kl_coef: float
+) -> tuple[Tensor, Stats]:
+    """Per-token reward of RLHF-PPO: −β·KL_t at every completion token, plus the score at the last.
+
+        KL_t = log πθ(y_t) − log πref(y_t)                      (k1, the sampled log-ratio)
+        r_t  = −β·KL_t + [t = last active token]·score
+
+    Ziegler et al. 2019 (arXiv:1909.08593, Eq. 2) and Stiennon et al. 2020 (Eq. 1), in the per-token
+    form of TRL's `PPOTrainer` (and OpenRLHF's `compute_reward`). ``scores`` [N] are the sequence
+    rewards (any missing-EOS penalty already applied); ``logps``/``ref_logps``/``mask`` [N, T] are the
+    rollout-time log-probs of the sampled tokens. A row without completion tokens gets no reward.
+    Returns rewards [N, T] (0 where masked) and, TRL's names, ``objective/kl`` (mean over sequences of
+    Σ_t KL_t), ``objective/non_score_reward`` (mean Σ_t −β·KL_t), ``objective/scores`` (mean score),
+    ``objective/rlhf_reward`` (mean score + non-score reward).
+    """
+    mask = mask.to(logps.dtype)
+    kl = (logps - ref_logps) * mask  # [N, T]
+    non_score = -kl_coef * kl  # [N, T]
+    positions = torch.arange(mask.size(1), device=mask.device).expand_as(mask)  # [N, T]
+    last = (positions * mask).argmax(dim=1)  # [N] column of the last active token
+    has_tokens = mask.sum(dim=1) > 0  # [N]
+    rewards = non_score.clone()
+    rows = torch.arange(mask.size(0), device=mask.device)
+    rewards[rows, last] += torch.where(has_tokens, scores.to(rewards.dtype), 0.0)
+    with torch.no_grad():
+        stats = {
+            "objective/kl": kl.sum(1).mean(),
+            "objective/non_score_reward": non_score.sum(1).mean(),
+            "objective/scores": scores.float().mean(),
+            "objective/rlhf_reward": (scores.to(non_score.dtype) + non_score.sum(1)).mean(),
+        }
+    return rewards.detach(), stats
+
+
+class FixedKLController:
+    """β stays at its initial value (TRL's `FixedKLController`; PPOv2's `kl_coef`)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Proportional control of β towards a target KL (Ziegler et al. 2019, Sec. 2.2, arXiv:1909.08593).
+
+        e = clip(KL / KL_target − 1, −0.2, 0.2),    β ← β·(1 + e·n / horizon)
+
+    ``current_kl`` is the batch's mean per-sequence KL (``objective/kl``), ``n_steps`` the number of
+    rollouts it came from, ``horizon`` the rollouts over which a 20 % error moves β by e^0.2. Same
+    as TRL's `AdaptiveKLController`. β grows while the policy is further from the reference than the
+    target and shrinks while it is closer.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon

@@ -89,6 +89,7 @@ class StageRunner:
         self.window = MetricWindow()
         self.resume: str | None = None
         self.tokenizer: Any = None
+        self.heads: dict[str, torch.nn.Module] = {}
         self._saved_at = time.monotonic()
         self._nonfinite = 0
         log.info("%s: %s, %d process%s (%s), mixed precision %s%s.", stage, self.runtime["device"], self.world,
@@ -106,13 +107,17 @@ class StageRunner:
         return self.resume
 
     def prepare(self, model: torch.nn.Module, total_steps: int, datasets: dict[str, dict],
-                wrap: type[torch.nn.Module] | None = None):
+                wrap=None, heads: dict[str, torch.nn.Module] | None = None):
         """Optimizer, schedule and the prepared model (DDP / DeepSpeed / autocast); restore the
         training state when resuming; open the MLflow run. Returns the model to run forwards through.
 
-        `wrap` (e.g. `trainer.logprobs.TargetLM`) is a module class around `model` whose forward the
-        stage calls; `self.module` stays the plain model, for saving and generation. With `auto`, a run
-        whose final model is already in `output_dir` raises `checkpoint.RunFinished` (docs/reliability.md).
+        `wrap` (e.g. `trainer.logprobs.TargetLM`) is a module class (or a function) around `model`
+        whose forward the stage calls; `self.module` stays the plain model, for saving and generation.
+        `heads` (name -> module, e.g. PPO's value head) train with the model (`wrap` must hold them,
+        so that DDP / DeepSpeed see their gradients) and are saved with every checkpoint as
+        `<name>.safetensors`; the stage restores them from `resume` before calling this. With `auto`, a
+        run whose final model is already in `output_dir` raises `checkpoint.RunFinished`
+        (docs/reliability.md).
         """
         config = self.config
         if config.resume_from_checkpoint == "auto" and (done := ckpt.finished_run(config.output_dir, config, datasets)):
@@ -121,7 +126,9 @@ class StageRunner:
             ckpt.check_same_run(self.resume, config, auto=config.resume_from_checkpoint == "auto", datasets=datasets)
         distributed.seed_rank(config.seed, self.rank)
         self.module, self.total_steps, self.datasets = model, total_steps, datasets
-        optimizer = build_optimizer(model, config)
+        self.heads = heads or {}
+        trained = torch.nn.ModuleList([model, *self.heads.values()]) if self.heads else model
+        optimizer = build_optimizer(trained, config)
         self.scheduler = build_scheduler(optimizer, config, total_steps)
         distributed.fill_deepspeed_config(self.accelerator, config.per_device_batch_size,
                                           config.gradient_accumulation_steps, config.max_grad_norm)
@@ -285,7 +292,7 @@ class StageRunner:
         with distributed.full_params(self.accelerator, self.model):
             if self.is_main:
                 common = dict(model=self.module, tokenizer=self.tokenizer, history=self.tracker.history,
-                              manifest=self.manifest(), merge_lora=config.lora_merge_on_save)
+                              manifest=self.manifest(), merge_lora=config.lora_merge_on_save, heads=self.heads)
                 if kind == "step":
                     ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, state=self.state,
                                               optimizer=self._checkpoint_optimizer, scheduler=self.scheduler,

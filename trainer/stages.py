@@ -14,6 +14,7 @@ STAGES = {
     "reward": ("trainer.reward", "RewardConfig", "run_reward"),
     "dpo": ("trainer.dpo", "DPOConfig", "run_dpo"),
     "grpo": ("trainer.grpo", "GRPOConfig", "run_grpo"),
+    "ppo": ("trainer.ppo", "PPOConfig", "run_ppo"),
 }
 
 

@@ -12,6 +12,8 @@ import torch
 from torch.testing import assert_close
 
 from trainer.losses import (
+    AdaptiveKLController,
+    FixedKLController,
     aggregate_token_loss,
     bradley_terry_loss,
     combine_rewards,
@@ -19,11 +21,16 @@ from trainer.losses import (
     gae_advantages,
     group_advantages,
     k3_kl,
+    kl_penalty_rewards,
     masked_mean,
+    masked_moments,
     masked_whiten,
     policy_loss,
+    ppo_policy_loss,
+    rloo_advantages,
     rollout_is_weights,
     value_loss,
+    value_stats,
 )
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -282,6 +289,35 @@ def test_group_advantages_matches_a_readable_loop():
     close(adv, expected)
 
 
+def test_rloo_advantages():
+    """G = 3, four groups. A_i = r_i − mean of the other two scored rewards.
+    (1, 2, 6): baselines (2+6)/2 = 4, (1+6)/2 = 3.5, (1+2)/2 = 1.5 -> (−3, −1.5, 4.5)
+               (= G/(G−1)·(r − 3) = 1.5·(−2, −1, 3)).
+    (4, NaN, 2): the unscorable one is left out: 4 − 2 = 2, 2 − 4 = −2, and it gets 0.
+    (5, 5, 5): all 0.   (NaN, 7, NaN): no scored neighbour -> all 0.
+    reward = nanmean(1, 2, 6, 4, 2, 5, 5, 5, 7) = 37/9 = 4.111111;
+    frac_reward_zero_std = 1/4 (only (5, 5, 5); a single scored reward has NaN std).
+    """
+    nan = math.nan
+    rewards = t(1, 2, 6, 4, nan, 2, 5, 5, 5, nan, 7, nan)
+    adv, stats = rloo_advantages(rewards, 3)
+    close(adv, [-3.0, -1.5, 4.5, 2.0, 0.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    close(stats["reward"], 37 / 9)
+    close(stats["frac_reward_zero_std"], 0.25)
+    assert set(stats) == {"reward", "reward_std", "frac_reward_zero_std"}
+    with pytest.raises(ValueError, match="num_generations"):
+        rloo_advantages(t(1.0, 2.0, 3.0), 2)
+
+
+def test_rloo_matches_a_readable_loop():
+    """On random rewards, each advantage equals r_i minus the plain mean of the others in its group."""
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randn(5 * 4, generator=gen)
+    adv, _ = rloo_advantages(rewards, 4)
+    expected = [float(r - torch.cat([g[:i], g[i + 1:]]).mean()) for g in rewards.split(4) for i, r in enumerate(g)]
+    close(adv, expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # GRPO policy loss
 # ---------------------------------------------------------------------------------------------
@@ -481,6 +517,12 @@ def test_masked_whiten():
     close(masked_whiten(x, mask), [-1.0, 0.0, 1.0, 0.0])
     close(masked_whiten(x, mask, shift_mean=False), [1.0, 2.0, 3.0, 0.0])
 
+    # Moments of the whole batch, summed from two halves (two ranks): the same whitening.
+    moments = masked_moments(x[:2], mask[:2]) + masked_moments(x[2:], mask[2:])
+    close(moments, [3.0, 6.0, 14.0])
+    close(masked_whiten(x, mask, moments=moments), [-1.0, 0.0, 1.0, 0.0])
+    close(masked_whiten(x[2:], mask[2:], shift_mean=False, moments=moments), [3.0, 0.0])
+
 
 def test_value_loss():
     """c = 0.2. Token 0: V = 1, V_old = 0.5 -> clipped to 0.7; R = 2:
@@ -501,3 +543,91 @@ def test_value_loss():
     close(stats["ppo/val/error"], 1.0)
     loss.backward()
     close(values.grad, [[0.0, 0.5, 0.0]])
+
+
+def test_kl_penalty_rewards():
+    """β = 0.1. Row 0: logp (−1, −2), ref (−1.5, −1) -> KL (0.5, −1); −β·KL = (−0.05, 0.1);
+    the score 1 goes to the last active token (column 1): rewards (−0.05, 1.1, 0).
+    Row 1: one token, KL 0: rewards (2, 0, 0).
+    objective/kl = mean(0.5 − 1, 0) = −0.25; non_score_reward = mean(0.05, 0) = 0.025;
+    scores = 1.5; rlhf_reward = mean(1 + 0.05, 2 + 0) = 1.525.
+    A row without completion tokens gets nothing (its score has nowhere to go).
+    """
+    logps = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, 3.0], [-0.5, 0.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    rewards, stats = kl_penalty_rewards(t(1.0, 2.0), logps, ref, mask, kl_coef=0.1)
+    close(rewards, [[-0.05, 1.1, 0.0], [2.0, 0.0, 0.0]])
+    close(stats["objective/kl"], -0.25)
+    close(stats["objective/non_score_reward"], 0.025)
+    close(stats["objective/scores"], 1.5)
+    close(stats["objective/rlhf_reward"], 1.525)
+    empty, _ = kl_penalty_rewards(t(3.0), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), kl_coef=0.1)
+    close(empty, [[0.0, 0.0]])
+
+
+def test_ppo_policy_loss():
+    """ε = 0.2, A = 1 on both active tokens; logp − old = (0, ln 1.5) -> r = (1, 1.5).
+    Token 0: max(−1, −1) = −1.  Token 1: max(−1.5, −clip(1.5)·1 = −1.2) = −1.2 (clipped).
+    loss = (−1 − 1.2)/2 = −1.1; clipfrac 1/2; approxkl = ½·(0 + ln²1.5)/2 = ½·0.164402/2 = 0.041101.
+    Gradient: token 0: −r/2 = −0.5; token 1 clipped: 0; the masked token: 0.
+    """
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    logps = (old + torch.tensor([[0.0, math.log(1.5), 5.0]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, stats = ppo_policy_loss(logps, old, adv, mask, cliprange=0.2)
+    close(loss, -1.1)
+    close(stats["ppo/loss/policy"], -1.1)
+    close(stats["ppo/policy/clipfrac"], 0.5)
+    close(stats["ppo/policy/approxkl"], 0.041101)
+    loss.backward()
+    close(logps.grad, [[-0.5, 0.0, 0.0]])
+
+
+def test_kl_controllers_hand_values():
+    """Adaptive, β = 0.2, target 6, horizon 10000, 256 rollouts:
+    KL 9: e = 9/6 − 1 = 0.5, clipped to 0.2 -> β = 0.2·(1 + 0.2·256/10000) = 0.2·1.00512 = 0.201024.
+    KL 3: e = −0.5 -> −0.2 -> β = 0.201024·(1 − 0.00512) = 0.199994758.
+    KL 6.6: e = 0.1 (inside the clip) -> β·(1 + 0.1·0.0256) = 0.199994758·1.00256 = 0.200506745.
+    Fixed: stays 0.2.
+    """
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=10000)
+    ctl.update(9.0, 256)
+    assert math.isclose(ctl.value, 0.201024, rel_tol=1e-9)
+    ctl.update(3.0, 256)
+    assert math.isclose(ctl.value, 0.199994758, rel_tol=1e-8)
+    ctl.update(6.6, 256)
+    assert math.isclose(ctl.value, 0.200506745, rel_tol=1e-8)
+    fixed = FixedKLController(0.2)
+    fixed.update(100.0, 256)
+    assert fixed.value == 0.2
+
+
+@pytest.mark.parametrize("start", [0.02, 0.5])
+def test_adaptive_kl_controller_moves_kl_to_target(start):
+    """A policy whose KL falls as β rises (KL = 0.6/β, so KL = target 6 at β* = 0.1): from β too small
+    (KL 30) or too large (KL 1.2) the controller brings KL within 2 % of the target, and β to β*."""
+    ctl = AdaptiveKLController(start, target=6.0, horizon=100)
+    gaps = []
+    for _ in range(400):
+        kl = 0.6 / ctl.value
+        gaps.append(abs(kl - 6.0))
+        ctl.update(kl, n_steps=10)
+    assert gaps[-1] < 0.02 * 6.0 < gaps[0]
+    assert all(b <= a + 1e-9 for a, b in zip(gaps, gaps[1:])), "the gap to the target never grows"
+    assert math.isclose(ctl.value, 0.1, rel_tol=0.02)
+
+
+def test_value_stats():
+    """V = (1, 2, 3), R = (2, 2, 5), a masked 4th token.
+    R: mean 3, deviations (−1, −1, 2), Σ² = 6, var (Bessel) 6/2 = 3.
+    R − V = (1, 0, 2): mean 1, deviations (0, −1, 1), Σ² = 2, var 1 -> var_explained 1 − 1/3 = 0.666667.
+    Constant returns: Var(R) = 0 -> var_explained 0.
+    """
+    values, returns, mask = t(1, 2, 3, 50), t(2, 2, 5, -50), t(1, 1, 1, 0)
+    stats = value_stats(values, returns, mask)
+    close(stats["ppo/returns/mean"], 3.0)
+    close(stats["ppo/returns/var"], 3.0)
+    close(stats["ppo/val/var_explained"], 2 / 3)
+    close(value_stats(values, t(1, 1, 1, 0), mask)["ppo/val/var_explained"], 0.0)
