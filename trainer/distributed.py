@@ -213,6 +213,10 @@ def full_params(accelerator, model) -> Iterator[None]:
     if zero_stage(accelerator) == 3:
         import deepspeed
 
+        if hasattr(model, "empty_partition_cache"):
+            # Prefetched all-gathers may still be in flight after no-grad (evaluation) forwards
+            # or an earlier gather; DeepSpeed would refuse to re-shard those parameters on exit.
+            model.empty_partition_cache()
         params = list(accelerator.unwrap_model(model).parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield

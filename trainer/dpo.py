@@ -48,7 +48,7 @@ from trainer.models import (
     count_parameters,
     disable_dropout,
     load_causal_lm,
-    load_tokenizer,
+    model_and_tokenizer,
     resolve_model_path,
 )
 from trainer.preferences import TokenizedPairs, load_pairs, tokenize_dpo_pairs
@@ -433,8 +433,7 @@ def run_dpo(config: DPOConfig) -> str:
     run = StageRunner("dpo", config)
 
     # 1. Data, validated before any model is loaded.
-    model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    model_path, tokenizer = model_and_tokenizer(config)
     rows, eval_rows = load_train_eval(config)
     train_data = load_split(rows, config.dataset, tokenizer, config)
     eval_data = load_split(eval_rows, config.eval_dataset or "eval split", tokenizer, config) if eval_rows else None
@@ -461,11 +460,6 @@ def run_dpo(config: DPOConfig) -> str:
                     wrap=TargetLM)
         pad_id = tokenizer.pad_token_id
         pack_to = config.max_length if config.padding_free else 0
-        if pack_to and run.runtime["zero_stage"] == 3:
-            # DeepSpeed 0.19.8 ZeRO-3 left parameters "in flight" after packed no-grad (evaluation)
-            # forwards, and then failed to gather them for saving; padded batches are exact too.
-            log.info("padding_free is off under DeepSpeed ZeRO-3; training on padded batches.")
-            pack_to = 0
         if pack_to and not packing_is_exact(run.model, train_data, pad_id, pack_to, run.device):
             pack_to = 0
         reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)

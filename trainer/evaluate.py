@@ -46,7 +46,7 @@ from trainer.completions import batched_logps, build_batch, prompt_token_ids
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, is_conversational, load_rows
 from trainer.losses import combine_rewards
-from trainer.models import load_causal_lm, load_tokenizer, resolve_model_path
+from trainer.models import load_causal_lm, load_tokenizer, model_and_tokenizer, resolve_model_path
 from trainer.rewards import RewardModelScorer, load_reward_function, reward_name, score_completions
 from trainer.rollout import Completion, SamplingConfig, make_engine
 from trainer.tracking import Tracker
@@ -241,8 +241,7 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
                         "`prompt` column (text or chat messages) plus any columns the reward functions read.")
     if config.max_samples is not None and config.max_samples < len(rows):
         rows = rows.select(range(config.max_samples))
-    model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    model_path, tokenizer = model_and_tokenizer(config)
     ref_path = resolve_model_path(config.reference_model) if config.reference_model else None
     if ref_path and load_tokenizer(ref_path, config.trust_remote_code).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"`reference_model` {config.reference_model!r} has a different tokenizer from "

@@ -62,7 +62,12 @@ from trainer.losses import (
     rloo_advantages,
     rollout_is_weights,
 )
-from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
+from trainer.models import (
+    apply_lora,
+    count_parameters,
+    load_causal_lm,
+    model_and_tokenizer,
+)
 from trainer.rewards import load_reward_function, reward_name, score_completions
 from trainer.rollout import SamplingConfig, make_engine
 from trainer.runner import StageRunner
@@ -204,6 +209,21 @@ class RewardSet:
         completions = [[{"role": "assistant", "content": x}] for x in texts] if conversational else texts
         columns = {c: [rows[i][c] for i in picked for _ in range(group)] for c in rows.column_names if c != "prompt"}
         return score_completions(self.funcs, prompts, completions, columns)
+
+
+def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet | None, RewardSet]:
+    """An RL stage's (GRPO, PPO) prompts, held-out prompts and reward functions, checked before any model loads."""
+    if config.eval_split_ratio:
+        raise ConfigError(f"{config.stage.upper()} evaluates on held-out prompts from `eval_dataset`; "
+                          "`eval_split_ratio` is not supported: pass --eval_dataset PATH instead.")
+    data = load_prompts(config.dataset, config.dataset_split, tokenizer, config)
+    eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
+                 if config.eval_dataset else None)
+    funcs = [load_reward_function(spec) for spec in config.reward_funcs]
+    rewards = RewardSet(funcs, [reward_name(f) for f in funcs],
+                        torch.tensor(config.reward_weights or [1.0] * len(funcs)))
+    check_ranks(config, world, len(data.token_ids))
+    return data, eval_data, rewards
 
 
 @dataclass
@@ -392,18 +412,8 @@ def run_grpo(config: GRPOConfig) -> str:
     keep_freed_memory()
 
     # 1. Prompts and reward functions, validated before any model is loaded.
-    model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
-    if config.eval_split_ratio:
-        raise ConfigError("GRPO evaluates on held-out prompts from `eval_dataset`; `eval_split_ratio` is not "
-                          "supported for GRPO: pass --eval_dataset PATH instead.")
-    data = load_prompts(config.dataset, config.dataset_split, tokenizer, config)
-    eval_data = load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config) if config.eval_dataset \
-        else None
-    funcs = [load_reward_function(spec) for spec in config.reward_funcs]
-    rewards = RewardSet(funcs, [reward_name(f) for f in funcs],
-                        torch.tensor(config.reward_weights or [1.0] * len(funcs)))
-    check_ranks(config, run.world, len(data.token_ids))
+    model_path, tokenizer = model_and_tokenizer(config)
+    data, eval_data, rewards = load_rl_inputs(config, tokenizer, run.world)
     num_cycles = (config.max_steps if config.max_steps > 0 else
                   int(config.num_epochs * len(data.token_ids) / (config.prompts_per_cycle * run.world)))
     steps = max(1, num_cycles // config.num_iterations) * config.num_iterations

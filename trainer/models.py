@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +57,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+def model_and_tokenizer(config) -> tuple[str, Any]:
+    """A stage's starting point: the local path of `config.model` (fetched or resolved) and its tokenizer."""
+    path = resolve_model_path(config.model)
+    return path, load_tokenizer(path, config.trust_remote_code)
 
 
 def _is_adapter(path: str) -> bool:

@@ -47,9 +47,8 @@ from trainer.grpo import (
     GRPOConfig,
     PromptSet,
     RewardSet,
-    check_ranks,
     evaluate,
-    load_prompts,
+    load_rl_inputs,
     push_weights,
     start_engine,
 )
@@ -67,8 +66,12 @@ from trainer.losses import (
     value_loss,
     value_stats,
 )
-from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-from trainer.rewards import load_reward_function, reward_name
+from trainer.models import (
+    apply_lora,
+    count_parameters,
+    load_causal_lm,
+    model_and_tokenizer,
+)
 from trainer.runner import StageRunner
 
 log = logging.getLogger(__name__)
@@ -352,18 +355,8 @@ def run_ppo(config: PPOConfig) -> str:
     run = StageRunner("ppo", config)
     keep_freed_memory()
 
-    model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
-    if config.eval_split_ratio:
-        raise ConfigError("PPO evaluates on held-out prompts from `eval_dataset`; pass --eval_dataset PATH "
-                          "instead of `eval_split_ratio`.")
-    data = load_prompts(config.dataset, config.dataset_split, tokenizer, config)
-    eval_data = load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config) if config.eval_dataset \
-        else None
-    funcs = [load_reward_function(spec) for spec in config.reward_funcs]
-    rewards = RewardSet(funcs, [reward_name(f) for f in funcs],
-                        torch.tensor(config.reward_weights or [1.0] * len(funcs)))
-    check_ranks(config, run.world, len(data.token_ids))
+    model_path, tokenizer = model_and_tokenizer(config)
+    data, eval_data, rewards = load_rl_inputs(config, tokenizer, run.world)
     per = config.updates_per_rollout
     cycles = (config.max_steps // per if config.max_steps > 0 else
               int(config.num_epochs * len(data.token_ids) / (config.batch_size * run.world)))

@@ -43,8 +43,7 @@ from trainer.models import (
     count_parameters,
     disable_dropout,
     load_reward_model,
-    load_tokenizer,
-    resolve_model_path,
+    model_and_tokenizer,
 )
 from trainer.preferences import TokenizedPairs, load_pairs, read_margins, tokenize_reward_pairs
 from trainer.runner import StageRunner, to_device
@@ -196,8 +195,7 @@ def run_reward(config: RewardConfig) -> str:
     run = StageRunner("reward", config)
 
     # 1. Data, validated before the model is loaded.
-    model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    model_path, tokenizer = model_and_tokenizer(config)
     # The saved tokenizer keeps the side, so scorers truncate as training did (save_pretrained
     # writes only attributes listed in init_kwargs).
     tokenizer.truncation_side = tokenizer.init_kwargs["truncation_side"] = (

@@ -25,7 +25,12 @@ from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import TokenizedSFT, describe_datasets, load_train_eval, pack_best_fit, tokenize_sft
 from trainer.logprobs import TargetLM, entropy, selective_log_softmax, target_logits
 from trainer.loop import total_steps
-from trainer.models import apply_lora, count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
+from trainer.models import (
+    apply_lora,
+    count_parameters,
+    load_causal_lm,
+    model_and_tokenizer,
+)
 from trainer.runner import StageRunner, to_device
 
 log = logging.getLogger(__name__)
@@ -200,8 +205,7 @@ def run_sft(config: SFTConfig) -> str:
     run = StageRunner("sft", config)
 
     # 1. Data, validated before the model is loaded.
-    model_path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+    model_path, tokenizer = model_and_tokenizer(config)
     rows, eval_rows = load_train_eval(config)
     tokenize = dict(tokenizer=tokenizer, max_length=config.max_length, truncation_mode=config.truncation_mode,
                     completion_only_loss=config.completion_only_loss, assistant_only_loss=config.assistant_only_loss)
