@@ -409,7 +409,9 @@ def prepare_reference(run: StageRunner, model_path: str, train_data: TokenizedPa
     if model is run.module:  # the policy itself (LoRA adapters off, or before its first step)
         reference.model, reference.adapters = run.model, run.module if adapters_off else None
     else:
-        if pack_to and not packing_is_exact(model, train_data, pad_id, pack_to):
+        # (Under ZeRO-3 it loaded sharded, and cannot run before DeepSpeed wraps it; there it is
+        # trusted to be of the policy's kind, whose packing was checked.)
+        if pack_to and run.runtime["zero_stage"] != 3 and not packing_is_exact(model, train_data, pad_id, pack_to):
             raise ConfigError(f"The reference model {config.ref_model!r} mixes packed sequences (its attention does "
                               "not follow restarting position ids); set `padding_free false`.")
         reference.model = distributed.prepare_reference(run.accelerator, TargetLM(model))
