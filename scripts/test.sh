@@ -10,4 +10,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # DeepSpeed compiles its CPU communication op once (~1 min); keep it with the venv for later runs.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q -ra "$@"
+.venv/bin/python -m pytest -q -ra --durations=25 "$@"
