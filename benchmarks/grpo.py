@@ -78,14 +78,14 @@ def _summary(spec: dict, step_ends: list[float], train_start: float, phases: lis
 
 
 def child_alignflow(spec: dict, started: float) -> dict:
-    from trainer import checkpoint, grpo
+    from trainer import checkpoint, grpo, runner
 
     imported = common.clock()
     marks: dict[str, float] = {}
     step_ends: list[float] = []
 
     # Instrument the stage through the names it calls; nothing else changes.
-    sampling_config, progress_cls = grpo.SamplingConfig, grpo.Progress
+    sampling_config, progress_cls = grpo.SamplingConfig, runner.Progress
 
     def sampling(*args, **kwargs):
         if spec["full_length"]:
@@ -101,7 +101,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
             super().update(*args, **kwargs)
             step_ends.append(common.clock())
 
-    grpo.SamplingConfig, grpo.Progress = sampling, TimedProgress
+    grpo.SamplingConfig, runner.Progress = sampling, TimedProgress
     group = spec["generations"]
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
