@@ -76,9 +76,11 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
     two, one = weights(out), weights(reference)
     assert max_difference(two, one) < 1e-4
     # The comparison means something only if training moved the weights well beyond that.
-    if not lora:
+    if not lora:  # (the reward model's head is new: compare the backbone it shares with the starting model)
         initial = weights(tiny_model)
-        assert max_difference(one, initial) > 1e-3
+        shared = sorted(set(one) & set(initial))
+        assert len(shared) >= len(initial) - 1
+        assert max_difference({k: one[k] for k in shared}, {k: initial[k] for k in shared}) > 1e-3
     else:
         assert max(float(t.abs().max()) for k, t in one.items() if "lora_B" in k) > 1e-3
     # Ranks logged the same numbers one rank logs (loss, token counts) within float noise.
