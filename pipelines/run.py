@@ -124,7 +124,7 @@ def _check_single_node(config: PipelineConfig) -> None:
 
 def _check_exists(name: str, uri: str) -> None:
     try:
-        found = storage.exists(uri)
+        found = storage.exists(uri, retry=False)  # before any task: fail in seconds, not after the retry budget
     except Exception as err:  # botocore/aiohttp raise many types for a dead endpoint
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS default"
         raise ConfigError(f"`{name}` = {uri!r}: the object store cannot be reached ({type(err).__name__}: {err}). "

@@ -164,9 +164,10 @@ def join(base: str, *parts: str) -> str:
     return str(Path(base, *parts))
 
 
-def exists(uri: str) -> bool:
+def exists(uri: str, retry: bool = True) -> bool:
+    """Whether `uri` exists; `retry=False` asks once (checks before a run, which must fail in seconds)."""
     fs = filesystem(uri)
-    return retrying(uri, "read", lambda: fs.exists(uri))
+    return retrying(uri, "read", lambda: fs.exists(uri)) if retry else fs.exists(uri)
 
 
 def list_dirs(uri: str) -> list[str]:
