@@ -209,3 +209,22 @@ def weights(folder: Path | str) -> dict[str, torch.Tensor]:
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b), f"different tensors: {sorted(set(a) ^ set(b))[:5]}"
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float, env: dict) -> None:
+    """Run `command` (from the repository root, in a process group of its own) and SIGKILL the whole
+    group as soon as `checkpoint` is complete, while it trains on; fails if it ends first or never gets there."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ckpt.is_complete(str(checkpoint)):
+            assert proc.poll() is None, "training finished before it could be killed"
+            assert time.monotonic() < deadline, f"no complete {checkpoint} within {timeout:.0f} s"
+            time.sleep(0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

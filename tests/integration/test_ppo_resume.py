@@ -2,17 +2,15 @@
 KL coefficient) and ends where an uninterrupted run ends."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, prompts_file
+from tests.helpers import ROOT, kill_after_checkpoint, prompts_file
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
@@ -42,15 +40,8 @@ def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path):
     subprocess.run(ppo_command(tiny_model, dataset, straight), check=True, env=env(), capture_output=True, cwd=ROOT)
 
     # Save every PPO step; kill the process as soon as step 10 is complete, while it trains on.
-    proc = subprocess.Popen(ppo_command(tiny_model, dataset, killed, "--save_steps", "2"), env=env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not ckpt.is_complete(str(killed / "checkpoint-10")):
-        assert proc.poll() is None, "training finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(ppo_command(tiny_model, dataset, killed, "--save_steps", "2"), killed / "checkpoint-10", 300,
+                          env())
     done = [s for s, _ in ckpt.list_checkpoints(str(killed))]
     assert 10 in done and max(done) < STEPS, f"killed too late: complete checkpoints {done}"
     assert not ckpt.is_complete(str(killed)), "the final model must not look complete after a kill"

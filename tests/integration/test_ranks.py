@@ -10,15 +10,22 @@ checkpoint resumes (`resume_from_checkpoint auto`) to the weights of an uninterr
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEMO_DATA, ROOT, history, max_difference, prompts_file, train_cli, weights
+from tests.helpers import (
+    DEMO_DATA,
+    ROOT,
+    history,
+    kill_after_checkpoint,
+    max_difference,
+    prompts_file,
+    train_cli,
+    weights,
+)
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
@@ -93,21 +100,6 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
         assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-4)
 
 
-def _kill_after_checkpoint(command: list[str], out: Path, step: int, env: dict) -> None:
-    """Start `command` in its own process group and SIGKILL the whole group once checkpoint-`step` is complete."""
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    try:
-        while not ckpt.is_complete(str(out / f"checkpoint-{step}")):
-            assert proc.poll() is None, "the run ended before the checkpoint the test kills it after"
-            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, tiny_model, tmp_path):
     args = ("--model", tiny_model, *COMMON[:-2], "--max_steps", "40", "--save_steps", "5",
@@ -117,8 +109,8 @@ def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, tiny_mode
     train_cli("sft", *args, "--output_dir", str(straight))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    _kill_after_checkpoint([sys.executable, "-m", "trainer.cli", "train", "sft", *args, "--output_dir", str(killed)],
-                           killed, 10, env)
+    kill_after_checkpoint([sys.executable, "-m", "trainer.cli", "train", "sft", *args, "--output_dir", str(killed)],
+                          killed / "checkpoint-10", 600, env)
     assert not ckpt.is_complete(str(killed)), "the killed run must not have finished"
     resumed = train_cli("sft", *args, "--output_dir", str(killed), "--resume_from_checkpoint", "auto")
     assert "Resuming from" in resumed.stderr + resumed.stdout

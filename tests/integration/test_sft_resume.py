@@ -2,16 +2,15 @@
 where an uninterrupted run ends."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import kill_after_checkpoint
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
@@ -36,15 +35,7 @@ def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path):
     subprocess.run(sft_command(tiny_model, straight), check=True, env=env(), capture_output=True)
 
     # Save every step; kill the process as soon as step 5 is complete, while it trains on.
-    proc = subprocess.Popen(sft_command(tiny_model, killed, "--save_steps", "1"), env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not ckpt.is_complete(str(killed / "checkpoint-5")):
-        assert proc.poll() is None, "training finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(sft_command(tiny_model, killed, "--save_steps", "1"), killed / "checkpoint-5", 120, env())
     done = [s for s, _ in ckpt.list_checkpoints(str(killed))]
     assert 5 in done and max(done) < 10, f"killed too late: complete checkpoints {done}"
     assert not ckpt.is_complete(str(killed)), "the final model must not look complete after a kill"
