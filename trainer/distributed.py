@@ -188,7 +188,8 @@ def backward(accelerator, loss: torch.Tensor) -> None:
 
 
 def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm: float) -> float:
-    """`trainer.loop.clip_and_step` through accelerate; returns the gradient norm before clipping.
+    """Clip the gradients, step optimizer and schedule, zero the gradients, through accelerate;
+    returns the gradient norm before clipping.
 
     Under DeepSpeed the engine has already clipped (its `gradient_clipping`) and stepped in the
     last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the

@@ -93,15 +93,6 @@ def step_batches(num_examples: int, batch_size: int, accumulation: int, seed: in
     return out
 
 
-def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
-    params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(norm)
-
-
 class MetricWindow:
     """Averages step metrics over a logging window (TRL logs window means of loss and friends)."""
 
