@@ -269,10 +269,13 @@ class StageRunner:
         """A resumable step checkpoint every `save_steps` steps or `save_minutes` minutes (never at the last step)."""
         config = self.config
         due = bool(config.save_steps) and step % config.save_steps < span
-        if config.save_minutes and time.monotonic() - self._saved_at >= 60 * config.save_minutes:
-            due = True
-        # Rank 0's clock decides, so that every rank takes part in the same saves.
-        due = bool(self.sum_over_ranks({"due": float(due and self.is_main)})["due"]) if self.world > 1 else due
+        if config.save_minutes:
+            late = time.monotonic() - self._saved_at >= 60 * config.save_minutes
+            # Rank 0's clock decides, so that every rank takes part in the same saves (one
+            # all-reduce a step, only when saving by time: steps alone agree on every rank).
+            if self.world > 1:
+                late = bool(self.sum_over_ranks({"late": float(late and self.is_main)})["late"])
+            due = due or late
         if due and step < self.total_steps:
             self.save("step")
 
