@@ -52,7 +52,10 @@ def kill_during_upload(monkeypatch, s3, after_files: int, down_for: float | None
                         s3.start()
                         timings["up"] = time.monotonic()
 
-                    threading.Timer(down_for, restart).start()
+                    # The upload may succeed as soon as the store answers, before start() returns:
+                    # tests join this timer before reading timings["up"].
+                    timings["restart"] = threading.Timer(down_for, restart)
+                    timings["restart"].start()
             return result
 
         fs.put_file = put_file
@@ -79,6 +82,8 @@ def test_upload_survives_a_20s_outage(tiny_model, faulty_s3, monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="trainer.storage"):
         save(model, tokenizer, ckpt.step_dir(out, 2), 2)
     finished = time.monotonic()
+    if "restart" in timings:
+        timings.pop("restart").join(60)
     monkeypatch.undo()
     for key, value in faulty_s3.server.env().items():
         monkeypatch.setenv(key, value)
