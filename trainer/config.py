@@ -334,10 +334,13 @@ def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str, flag_trl: d
 
     trl: dict[str, Any] = {}
     resolved: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for key, value in overrides.items():
         name = _canonical(cls, str(key), value, f"in {source}", trl)
+        if name is not None and name in resolved:  # a field and its TRL name, or two TRL names of one field
+            raise ConfigError(f"{source} sets `{name}` twice (as `{key}` and as `{origin[name]}`); keep one.")
         if name is not None:
-            resolved[name] = _trl_value(name, value)
+            resolved[name], origin[name] = _trl_value(name, value), str(key)
     trl |= flag_trl or {}
     translated = translate(trl, set(field_names(cls)), set(resolved) | set(flag_fields), note)
     # TRL's `use_peft: false` means full fine-tuning even when the file also sets `lora_r`.

@@ -31,6 +31,7 @@ class Known:
 
     reason: str
     accept: Callable[[Any], bool]
+    accepted: str = ""  # the accepted values, in words (docs/trl.md)
 
 
 def _off(value: Any) -> bool:
@@ -39,17 +40,17 @@ def _off(value: Any) -> bool:
 
 def unset(reason: str) -> Known:
     """Rejected unless unset/off (its TRL default): alignflow does not do what it turns on."""
-    return Known(reason, _off)
+    return Known(reason, _off, "unset / false / none")
 
 
 def only(values: tuple, reason: str) -> Known:
     """Accepted (and ignored) unset or with the given values, which name what alignflow does anyway."""
-    return Known(reason, lambda v: v is None or v in values)
+    return Known(reason, lambda v: v is None or v in values, "unset / " + " / ".join(f"`{v}`" for v in values))
 
 
 def any_value(reason: str) -> Known:
     """Ignored whatever its value: it only tunes something alignflow does not have (no effect on results)."""
-    return Known(reason, lambda v: True)
+    return Known(reason, lambda v: True, "any")
 
 
 HUB = ("alignflow never pushes to the Hugging Face Hub: checkpoints go to `output_dir` (a folder or s3://) and the "
@@ -108,7 +109,8 @@ KNOWN: dict[str, Known] = {
     "fp16_full_eval": unset("evaluation runs in the training precision (`bf16`/`fp16`)"),
     "half_precision_backend": any_value("mixed precision is torch autocast through accelerate"),
     "gradient_checkpointing_kwargs": Known("gradient checkpointing is always non-reentrant",
-                                           lambda v: _off(v) or v == {"use_reentrant": False}),
+                                           lambda v: _off(v) or v == {"use_reentrant": False},
+                                           "unset / `{use_reentrant: false}`"),
     "torch_compile": unset("not supported"),
     "torch_compile_backend": unset("not supported (see `torch_compile`)"),
     "torch_compile_mode": unset("not supported (see `torch_compile`)"),
@@ -201,14 +203,14 @@ KNOWN: dict[str, Known] = {
     "use_transformers_continuous_batching": unset("not supported: the hf engine uses plain `generate`"),
     "transformers_continuous_batching_config": unset("not supported"),
     "vllm_model_impl": only(("vllm",), "vLLM's own model implementation is used"),
-    "vllm_enable_sleep_mode": any_value("the colocated engine sleeps when vLLM supports it on the device"),
+    "vllm_enable_sleep_mode": any_value("the colocated vLLM engine turns sleep mode on by itself on GPUs"),
     "vllm_structured_outputs_regex": unset("structured outputs are not supported"),
     "vllm_server_base_url": unset("alignflow starts its own server (rollout_engine vllm-server) next to the trainer"),
     "vllm_server_host": any_value("alignflow starts its own server (rollout_engine vllm-server) on localhost"),
     "vllm_server_port": any_value("alignflow picks a free port for its vllm-server child"),
     "vllm_server_timeout": any_value("alignflow waits for its vllm-server child itself"),
     "vllm_group_port": any_value("alignflow picks a free port for its vllm-server child"),
-    "vllm_max_model_length": any_value("set from max_prompt_length + max_completion_length"),
+    "vllm_max_model_length": any_value("set by alignflow from the stage's prompt and completion lengths"),
     "vllm_tensor_parallel_size": only((1,), "tensor parallelism of vLLM is not supported"),
     "vllm_importance_sampling_mode": only(("token_truncate",), "alignflow's importance-sampling correction "
                                                                "truncates token-level ratios at "

@@ -356,3 +356,19 @@ def test_every_field_keeps_a_default_and_help_with_aliases():
     for cls in STAGES:
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("values", [{"model": "a", "model_name_or_path": "b"}, {"model_name_or_path": "b", "model": "a"},
+                                    {"vllm_importance_sampling_cap": 2, "vllm_importance_sampling_clip_max": 2}])
+def test_a_field_set_twice_under_two_names_is_an_error(values):
+    with pytest.raises(ConfigError, match="twice"):
+        config_from_dict(GRPOConfig, {"dataset": "demo", **({"model": "m"} if "model" not in values else {}), **values})
+
+
+def test_docs_list_every_trl_name():
+    from trainer.trl_names import KNOWN, TRANSLATED
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    names = set(KNOWN) | set(TRANSLATED) | {a for cls in STAGES for a in aliases(cls)}
+    missing = sorted(name for name in names if f"`{name}" not in doc)
+    assert not missing, f"docs/trl.md does not mention {missing}"
