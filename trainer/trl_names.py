@@ -45,7 +45,8 @@ def unset(reason: str) -> Known:
 
 def only(values: tuple, reason: str) -> Known:
     """Accepted (and ignored) unset or with the given values, which name what alignflow does anyway."""
-    return Known(reason, lambda v: v is None or v in values, "unset / " + " / ".join(f"`{v}`" for v in values))
+    return Known(reason, lambda v: v is None or v in values, "unset / " + " / ".join(
+        f"`{str(v).lower() if isinstance(v, bool) else v}`" for v in values))
 
 
 def any_value(reason: str) -> Known:
@@ -81,7 +82,7 @@ KNOWN: dict[str, Known] = {
                                       "(0 = only the final model); there is no per-epoch saving"),
     "save_only_model": unset("every checkpoint carries optimizer, scheduler and RNG state so that "
                              "`resume_from_checkpoint auto` continues exactly"),
-    "save_safetensors": any_value("checkpoints are always safetensors"),
+    "save_safetensors": only((True,), "checkpoints are always safetensors"),
     "save_on_each_node": unset("rank 0 saves, to `output_dir` (shared storage or s3://)"),
     "overwrite_output_dir": any_value("a new run in a folder with checkpoints starts afresh unless "
                                       "`resume_from_checkpoint` is set"),
@@ -96,7 +97,7 @@ KNOWN: dict[str, Known] = {
     "eval_on_start": unset("not supported: evaluation runs every `eval_steps` and at the end"),
     "eval_delay": unset("not supported: evaluation runs every `eval_steps` and at the end"),
     "prediction_loss_only": any_value("evaluation computes the stage's own metrics"),
-    "eval_packing": any_value("evaluation batches follow `packing`"),
+    "eval_packing": any_value("evaluation sums loss and accuracy over tokens: the same packed or not"),
     # --- optimiser and precision ----------------------------------------------------------------
     "optim": only(("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"),
                   "the optimizer is always torch's AdamW (under DeepSpeed, as configured by `deepspeed`)"),
@@ -142,7 +143,7 @@ KNOWN: dict[str, Known] = {
     "pad_to_multiple_of": unset("not supported"),
     "eos_token": unset("set the eos token in the tokenizer files of `model`"),
     "pad_token": unset("set the pad token in the tokenizer files of `model` (eos is used when it has none)"),
-    "shuffle_dataset": any_value("training data are always shuffled (reproducibly, from `seed`)"),
+    "shuffle_dataset": only((True,), "training data are always shuffled (reproducibly, from `seed`)"),
     "data_seed": unset("data order follows `seed`"),
     "ignore_data_skip": unset("resuming always skips the data already seen, to continue exactly"),
     # --- model loading --------------------------------------------------------------------------
@@ -159,7 +160,8 @@ KNOWN: dict[str, Known] = {
     "lora_target_parameters": unset("not supported: use `lora_target_modules`"),
     "use_rslora": unset("rank-stabilised LoRA is not supported"),
     "use_dora": unset("DoRA is not supported"),
-    "router_aux_loss_coef": any_value("mixture-of-experts router losses are not added"),
+    "router_aux_loss_coef": only((0.001,), "alignflow adds no mixture-of-experts router loss (TRL's default "
+                                                   "value is accepted: it changes nothing for dense models)"),
     "ignore_bias_buffers": any_value("a DDP workaround alignflow does not need"),
     # --- distribution ---------------------------------------------------------------------------
     "fsdp": unset("FSDP is not supported: use `deepspeed zero3`"),
@@ -228,6 +230,16 @@ KNOWN: dict[str, Known] = {
     "use_adaptive_entropy": unset("entropy bonuses are not supported"),
     "max_tool_calling_iterations": unset("tool calling is not supported"),
     "num_completions_to_print": any_value("the completions table goes to MLflow (`num_completions_to_log` rows)"),
+}
+KNOWN |= {
+    "loss_type": only(("nll",), "SFT trains on the negative log-likelihood (DFT is not supported)"),  # SFT's only
+    "disable_dropout": only((False,), "this stage keeps the model's dropout"),  # DPO and reward have the field
+    "use_cache": any_value("a generation cache setting; training never uses the cache"),
+    "local_rank": any_value("set by the launcher"),
+    "debug": unset("not supported"),
+    "train_sampling_strategy": only(("random",), "training data are shuffled (from `seed`)"),
+    **{name: unset("only MLflow is supported") for name in ("trackio_space_id", "trackio_bucket_id",
+                                                              "trackio_static_space_id")},
 }
 for _name in ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
               "vespo_lambda_neg", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
