@@ -288,7 +288,8 @@ def _canonical(cls: type, key: str, value: Any, where: str, trl: dict[str, Any])
     if known is None:
         raise _unknown_field_error(cls, key, where)
     if not known.accept(value):
-        raise ConfigError(f"`{key}: {value}` ({where}) is a TRL option alignflow does not support: {known.reason}. "
+        shown = json.dumps(value) if isinstance(value, bool) or value is None else value
+        raise ConfigError(f"`{key}: {shown}` ({where}) is a TRL option alignflow does not support: {known.reason}. "
                           f"Remove it.")
     note(f"{key} ignored: {known.reason}")
     return None

@@ -146,7 +146,7 @@ def test_a_trl_option_without_equivalent_is_named_as_such():
     with pytest.raises(ConfigError, match="`torch_compile_backend: inductor` .*is a TRL option alignflow does not"):
         config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "torch_compile_backend": "inductor"})
     with pytest.raises(ConfigError) as err:  # a TrainingArguments name with no table entry
-        parse_config(SFTConfig, ["--model", "m", "--dataset", "demo", "--train_sampling_strategy", "group_by_length"])
+        parse_config(SFTConfig, ["--model", "m", "--dataset", "demo", "--length_column_name", "n"])
     assert "is a TRL option the sft stage has no equivalent for" in str(err.value)
     with pytest.raises(ConfigError, match="TRL option the sft stage"):  # a GRPO option given to SFT
         config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "num_generations": 4})
