@@ -372,3 +372,16 @@ def test_docs_list_every_trl_name():
     names = set(KNOWN) | set(TRANSLATED) | {a for cls in STAGES for a in aliases(cls)}
     missing = sorted(name for name in names if f"`{name}" not in doc)
     assert not missing, f"docs/trl.md does not mention {missing}"
+
+
+@pytest.mark.parametrize("report_to, tracked", [("none", False), ("mlflow", True), ("all", True)])
+def test_report_to_none_turns_mlflow_off(report_to, tracked, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    config = config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "report_to": report_to})
+    assert config.tracking_uri == ("http://mlflow:5000" if tracked else None)
+
+
+def test_mixture_as_a_json_flag(tmp_path):
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "t"}])
+    config = parse_config(SFTConfig, ["--model", "m", "--datasets", json.dumps([{"path": b}, {"path": b}])])
+    assert len(train_rows(config)) == 2
