@@ -63,19 +63,20 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from trainer.checkpoint import CheckpointError, NonFiniteWeightsError, UnsafeCheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
+    from trainer.extras import MissingExtra
     from trainer.models import ModelError
     from trainer.rewards import RewardError
     from trainer.runner import TrainingError
     from trainer.storage import StorageError
 
     return (ConfigError, DataError, ModelError, RewardError, StorageError, UnsafeCheckpointError,
-            NonFiniteWeightsError, CheckpointError, TrainingError, FileNotFoundError)
+            NonFiniteWeightsError, CheckpointError, TrainingError, FileNotFoundError, MissingExtra)
 
 
 def _train(stage: str, argv: list[str]) -> int:
     """Parse the stage's config, start its ranks when asked, or run it here. An anticipated error
     prints one line and exits 2 (`--debug` or ALIGNFLOW_DEBUG=1 shows the traceback)."""
-    from trainer import launch
+    from trainer import extras, launch
     from trainer.checkpoint import RunFinished
     from trainer.config import parse_config
 
@@ -84,6 +85,7 @@ def _train(stage: str, argv: list[str]) -> int:
     config_cls, run = stage_parts(stage)
     try:
         config = parse_config(config_cls, argv, prog=f"alignflow train {stage}")
+        extras.check_config(config)  # a missing extra fails here, before any model or data loads
         if launch.needs_launch(config):
             return launch.launch(stage, argv, config)
         out = run(config)
@@ -133,6 +135,7 @@ def _model(argv: list[str]) -> int:
 def _eval(argv: list[str]) -> int:
     import json
 
+    from trainer import extras
     from trainer.config import ConfigError, parse_config
     from trainer.data import DataError
     from trainer.evaluate import EvalConfig, run_evaluate
@@ -140,8 +143,9 @@ def _eval(argv: list[str]) -> int:
 
     try:
         config = parse_config(EvalConfig, argv, prog="alignflow eval")
+        extras.check_config(config)
         metrics = run_evaluate(config)
-    except (ConfigError, DataError, ModelError) as err:
+    except (ConfigError, DataError, ModelError, extras.MissingExtra) as err:
         print(f"alignflow eval: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(metrics, indent=2, sort_keys=True))
@@ -243,9 +247,15 @@ def run_group(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.extras import MissingExtra
+
     parser, _ = make_parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    return run_group(args, rest)
+    try:
+        return run_group(args, rest)
+    except MissingExtra as err:  # a command whose feature needs an extra that is not installed: one line
+        print(f"alignflow {args.group}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
