@@ -243,19 +243,19 @@ def run_group(args: argparse.Namespace, rest: list[str]) -> int:
             print(f"usage: alignflow train {{{','.join(sorted(STAGES))}}} --config FILE.yaml [--<field> VALUE ...]")
             return 0 if rest and rest[0] in ("-h", "--help") else 2
         return _train(args.stage, rest)
-    return {"model": _model, "eval": _eval, "promote": _promote}[args.group](rest)
+    from trainer.extras import MissingExtra
+
+    try:
+        return {"model": _model, "eval": _eval, "promote": _promote}[args.group](rest)
+    except MissingExtra as err:  # the command's feature needs an extra that is not installed: one line
+        print(f"alignflow {args.group}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.extras import MissingExtra
-
     parser, _ = make_parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        return run_group(args, rest)
-    except MissingExtra as err:  # a command whose feature needs an extra that is not installed: one line
-        print(f"alignflow {args.group}: error: {err}", file=sys.stderr)
-        return 2
+    return run_group(args, rest)
 
 
 if __name__ == "__main__":

