@@ -225,6 +225,9 @@ def test_auth_is_on_by_default_with_a_generated_admin_password():
     assert ref == {"name": "rel-alignflow-mlflow-auth", "key": "MLFLOW_TRACKING_PASSWORD"}
     password = secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_PASSWORD")
     assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    flask_key = secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_FLASK_SERVER_SECRET_KEY")
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", flask_key) and flask_key != password
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "rel-alignflow-mlflow-auth"
     assert secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_USERNAME") == "admin"
     # Random per install (no cluster to read it back from here; on upgrade `lookup` returns the old one).
     assert secret_value(render_chart({}), "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_PASSWORD") != password
@@ -244,9 +247,11 @@ def test_the_pipeline_secret_gets_the_same_admin_credentials():
 
 def test_an_existing_admin_secret_replaces_the_generated_one():
     docs = render_chart({"mlflow": {"auth": {"existingSecret": "alignflow-mlflow"}}})
-    assert not by_kind(docs, "Secret")
+    (own,) = by_kind(docs, "Secret")
+    assert set(own["data"]) == {"MLFLOW_FLASK_SERVER_SECRET_KEY"}  # no admin of its own
     env = {e["name"]: e for e in mlflow_container(docs)["env"]}
     assert env["MLFLOW_TRACKING_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == "alignflow-mlflow"
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "rel-alignflow-mlflow-auth"
 
 
 def test_a_short_admin_password_is_refused_at_render():

@@ -84,12 +84,30 @@ imagePullSecrets:
 
 {{/* The Secret holding the MLflow admin's MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD. */}}
 {{- define "alignflow.mlflowAuthSecret" -}}
-{{- default (printf "%s-mlflow-auth" (include "alignflow.fullname" .)) .Values.mlflow.auth.existingSecret -}}
+{{- default (include "alignflow.mlflowChartAuthSecret" .) .Values.mlflow.auth.existingSecret -}}
 {{- end -}}
 
-{{/* The MLflow admin password when the chart keeps it: mlflow.auth.adminPassword, else the one already in
-the cluster's Secret (so upgrades keep it: MLflow sets the admin password only on its first start), else
-32 random characters. Computed once per render, so every template that includes it gets the same one. */}}
+{{/* The chart's own MLflow auth Secret (the Flask session key, and the admin unless existingSecret). */}}
+{{- define "alignflow.mlflowChartAuthSecret" -}}
+{{- printf "%s-mlflow-auth" (include "alignflow.fullname" .) -}}
+{{- end -}}
+
+{{/* A random value kept in the chart's auth Secret under .key: the one already in the cluster (so
+upgrades keep it), else 32 new random characters. Computed once per render, so every template that
+includes it gets the same one. */}}
+{{- define "alignflow.generated" -}}
+{{- $cache := .root.Values.mlflow.auth -}}
+{{- $slot := printf "generated%s" .key -}}
+{{- if not (hasKey $cache $slot) -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace (include "alignflow.mlflowChartAuthSecret" .root) -}}
+{{- $old := dig "data" .key "" ($existing | default dict) -}}
+{{- $_ := set $cache $slot (ternary (b64dec $old) (randAlphaNum 32) (ne $old "")) -}}
+{{- end -}}
+{{- get $cache $slot -}}
+{{- end -}}
+
+{{/* The MLflow admin password when the chart keeps it: mlflow.auth.adminPassword, else generated once
+(MLflow sets the admin password only on its first start, so it must not change on upgrades). */}}
 {{- define "alignflow.mlflowAdminPassword" -}}
 {{- $auth := .Values.mlflow.auth -}}
 {{- if $auth.adminPassword -}}
@@ -98,12 +116,7 @@ the cluster's Secret (so upgrades keep it: MLflow sets the admin password only o
 {{- end -}}
 {{- $auth.adminPassword -}}
 {{- else -}}
-{{- if not (hasKey $auth "generatedPassword") -}}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "alignflow.mlflowAuthSecret" .) -}}
-{{- $old := dig "data" "MLFLOW_TRACKING_PASSWORD" "" ($existing | default dict) -}}
-{{- $_ := set $auth "generatedPassword" (ternary (b64dec $old) (randAlphaNum 32) (ne $old "")) -}}
-{{- end -}}
-{{- $auth.generatedPassword -}}
+{{- include "alignflow.generated" (dict "root" . "key" "MLFLOW_TRACKING_PASSWORD") -}}
 {{- end -}}
 {{- end -}}
 
