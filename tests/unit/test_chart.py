@@ -31,6 +31,14 @@ VALUE_SETS = {
         "secrets": {**SECRETS, "s3": {**SECRETS["s3"], "endpointUrl": "https://s3.example.com"}},
         "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "x", "operator": "Exists"}]},
     "nothing-but-rbac": {"mlflow": {"enabled": False}, "kfp": {"upload": {"enabled": False}}},
+    "narrowed-network-existing-admin": {
+        "mlflow": {"auth": {"existingSecret": "alignflow-mlflow"}, "extraAllowedHosts": ["mlflow.example.com"]},
+        "networkPolicy": {
+            "allowKfpComponents": False, "allowNamespaces": ["team-a", "team-b"],
+            "extraIngressFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
+            "egress": {"objectStore": {"cidrs": ["52.216.0.0/15"], "namespaces": ["kubeflow"], "ports": [443, 9000]},
+                       "modelHub": {"cidrs": ["18.160.0.0/15"]}, "kubeApi": {"cidrs": ["10.0.0.1/32"]},
+                       "extraTo": [{"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"port": 3128}]}]}}},
 }
 
 
@@ -327,8 +335,14 @@ def test_egress_of_labelled_pods_is_limited():
     cidrs = [p["ipBlock"]["cidr"] for r in policy(render_chart(narrow), "rel-alignflow-egress")["egress"]
              for p in r.get("to", []) if "ipBlock" in p]
     assert sorted(cidrs) == ["18.160.0.0/15", "52.216.0.0/15"]
+    minio = {"networkPolicy": {"egress": {"objectStore": {"cidrs": [], "namespaces": ["kubeflow"], "ports": [9000]}}}}
+    (store,) = [r for r in policy(render_chart(minio), "rel-alignflow-egress")["egress"] if r.get("ports") == [
+        {"port": 9000, "protocol": "TCP"}]]
+    assert store["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubeflow"}}}]
     assert not [d for d in by_kind(render_chart({"networkPolicy": {"egress": {"enabled": False}}}), "NetworkPolicy")
                 if "egress" in d["metadata"]["name"]]
+    bare = render_chart({"networkPolicy": {"egress": {"kfpNamespaces": [], "kubeApi": {"cidrs": []}}}})
+    assert "rel-alignflow-egress-steps" not in {d["metadata"]["name"] for d in by_kind(bare, "NetworkPolicy")}
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
