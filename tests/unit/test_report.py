@@ -123,3 +123,16 @@ def test_grpo_model_carries_its_last_completions_for_the_report(tiny_model, tmp_
     assert set(samples[0]) == {"step", "prompt", "completion", "rewards/target_frequency", "reward", "advantage"}
     page = report.render(report.Report("grpo", "", manifest["metrics"], ckpt.read_history(out), samples))
     assert "<th>rewards/target_frequency</th>" in page and "<title>Reward</title>" in page
+
+
+def test_ppo_completions_show_score_and_mean_advantage(tiny_model, tmp_path):
+    """PPO's table: the weighted score (after the missing-EOS penalty) and each completion's mean
+    per-token advantage, next to the reward function's column."""
+    from tests.helpers import ppo_config
+    from trainer.ppo import run_ppo
+
+    out = run_ppo(ppo_config(tiny_model, tmp_path, max_steps=1, log_completions_steps=1, num_completions_to_log=2))
+    samples = ckpt.read_json(str(Path(out, ckpt.MANIFEST)))["samples"]
+    assert [set(s) for s in samples] == [{"step", "prompt", "completion", "rewards/target_frequency", "score",
+                                          "advantage"}] * 2
+    assert all(isinstance(s["advantage"], float) for s in samples)
