@@ -19,8 +19,9 @@ from components import report
 from trainer.completions import sample_rows
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None,
-                                reason="headless Chromium is not installed (apt-get install -y chromium)")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(CHROMIUM is None,
+                                 reason="headless Chromium is not installed (apt-get install -y chromium)")]
 
 CONSOLE = re.compile(r":CONSOLE[:(]\d*\)?\] (.*)")
 
