@@ -275,7 +275,7 @@ def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: 
         tags["alignflow.pipeline_mlflow_run"] = parent
     result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
                               min_improvement=min_improvement, tags=tags, parent_run_id=parent or None)
-    page = report.Report(f"promote {model_name}", f"version {result.version}: champion {result.champion_before} "
+    page = report.Report(f"promote {model_name}", f"version {result.version}: champion {result.champion_before or 'none'} "
                          f"→ {result.champion_after}", metrics, gate=report.Gate(result.promoted, result.reason),
                          mlflow_run_id=parent, mlflow_url=mlflow_run_url(parent))
     report.write(report_out.path, report.render(page))

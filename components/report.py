@@ -200,7 +200,10 @@ def samples_table(samples: list[dict[str, Any]]) -> str:
     text_cols = [c for c in ("prompt", "completion", "baseline_completion") if any(c in r for r in samples)]
     columns = list(dict.fromkeys(k for r in samples for k in r))
     lead = [c for c in ("step",) if c in columns]
-    rest = [c for c in columns if c not in text_cols and c not in lead]
+    # Each reward function's score first, then what they add up to, then anything else (dataset columns, ...).
+    order = {"reward": 1, "score": 1, "advantage": 2}
+    rest = sorted((c for c in columns if c not in text_cols and c not in lead),
+                  key=lambda c: 0 if c.startswith("rewards/") else order.get(c, 3))
     head = "".join(f"<th>{_esc(c)}</th>" for c in lead + text_cols + rest)
     body = []
     for row in samples:

@@ -104,10 +104,12 @@ def test_mlflow_url_leaves_credentials_out(monkeypatch):
 
 
 def test_evaluate_report_shows_samples_with_reward_columns(tmp_path):
-    (tmp_path / "samples.jsonl").write_text(json.dumps({"prompt": CHAT, "completion": "4",
-                                                       "rewards": {"accuracy": 1.0}, "reward": 1.0}) + "\n")
+    # As trainer.evaluate writes it: the weighted reward before the per-function ones.
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"prompt": CHAT, "completion": "4", "reward": 1.0,
+                                                       "rewards": {"accuracy": 1.0}}) + "\n")
     page = report.render(launcher.evaluate_report({"reward": 1.0}, str(tmp_path), False, "no champion yet", ""))
-    assert "<th>rewards/accuracy</th>" in page and "Gate not passed" in page
+    assert "Gate not passed" in page
+    assert re.findall(r"<th>([^<]+)</th>", page) == ["prompt", "completion", "rewards/accuracy", "reward"]
 
 
 def test_grpo_model_carries_its_last_completions_for_the_report(tiny_model, tmp_path):
