@@ -17,8 +17,11 @@ al. 2016 for GAE, Ziegler et al. 2019 for the per-token KL reward and the adapti
 rollouts, prompts, reward functions and weight sync are GRPO's (`trainer/grpo.py`). The value head
 is a scalar linear map on the policy's last hidden state at the positions that predict completion
 tokens (TRL's `AutoModelForCausalLMWithValueHead`): V_t is the value of the state before token t.
-It is zero-initialised, so that the first advantages are the rewards-to-go. The reference is the
-starting policy: a frozen copy, or with LoRA the model with its adapter disabled.
+It is zero-initialised, so that the first advantages are the rewards-to-go. With `critic:
+reward_model` a separate critic network gives V_t instead: a reward model (sequence classifier)
+whose score head reads every token's hidden state (TRL PPOv2's `value_model`, OpenRLHF's critic),
+trained by the same optimizer and saved as `critic/`. The reference is the starting policy: a
+frozen copy, or with LoRA the model with its adapter disabled.
 
 Departures from TRL's `PPOTrainer`: `max_steps` counts optimizer steps (each PPO step takes
 `ppo_epochs × batch_size / mini_batch_size` of them); a completion that ends without EOS keeps its
@@ -440,7 +443,7 @@ def load_critic(config: PPOConfig, tokenizer, source: str, resume: str | None) -
 
 
 def run_ppo(config: PPOConfig) -> str:
-    """Train with PPO; returns `config.output_dir` (holding the final model and its value head)."""
+    """Train with PPO; returns `config.output_dir` (holding the final model and its value head or critic/)."""
     run = StageRunner("ppo", config)
     keep_freed_memory()
 

@@ -132,10 +132,14 @@ def test_unusable_critics_are_one_line_errors_before_training(tiny_model, reward
         assert not ckpt.read_history(str(out)) and not ckpt.is_complete(str(out))
 
 
-def test_lora_ppo_saves_adapter_and_value_head(tiny_model, tmp_path):
-    run_ppo(ppo_config(tiny_model, tmp_path, lora_r=8, max_steps=4, init_kl_coef=0.1))  # 2 PPO steps
+@pytest.mark.parametrize("critic", ["value_head", "reward_model"])
+def test_lora_ppo_saves_adapter_and_value_function(tiny_model, reward_model, tmp_path, critic):
+    """With LoRA on the policy, the value head or the (fully trained) critic is saved next to the adapter."""
+    extra = {"critic": critic, "critic_model": reward_model} if critic == "reward_model" else {}
+    run_ppo(ppo_config(tiny_model, tmp_path, lora_r=8, max_steps=4, init_kl_coef=0.1, **extra))  # 2 PPO steps
     out = tmp_path / "out"
-    assert (out / "adapter_config.json").exists() and (out / "value_head.safetensors").exists()
+    value = out / ("critic/model.safetensors" if critic == "reward_model" else "value_head.safetensors")
+    assert (out / "adapter_config.json").exists() and value.exists()
     # The second rollouts differ from the adapter-disabled reference (the first are the reference).
     assert ckpt.read_history(str(out))[-1]["objective/kl"] != 0.0
 
@@ -187,5 +191,6 @@ def test_cli_help_lists_ppo_fields(capsys):
         cli.main(["train", "ppo", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for field in ("--mini_batch_size", "--adap_kl_ctrl", "--horizon", "--rollout_engine", "--reward_funcs"):
+    for field in ("--mini_batch_size", "--adap_kl_ctrl", "--horizon", "--rollout_engine", "--reward_funcs", "--critic",
+                  "--critic_model", "--reward_label", "--reward_label_score"):
         assert field in out, field
