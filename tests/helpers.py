@@ -228,3 +228,28 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float, 
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# -- reward models ------------------------------------------------------------------------------
+
+
+def classifier_checkpoint(model: str, out: Path, labels: list[str] | None = None, scale: float = 1.0,
+                          seed: int = 0) -> str:
+    """`model` (a tiny causal-LM folder) as a sequence classifier saved with its tokenizer to `out`: one
+    unnamed label (a reward model) by default, else one score row per name in `labels`; the random head
+    is multiplied by `scale`, to spread the scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from trainer.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    kwargs = ({"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}} if labels
+              else {"num_labels": 1})
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
+    classifier.config.pad_token_id = tokenizer.pad_token_id
+    with torch.no_grad():
+        classifier.score.weight.mul_(scale)
+    classifier.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)

@@ -139,7 +139,8 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
     """Write a complete checkpoint to `dest` (local folder or remote prefix); returns `dest`.
 
     `state`, `optimizer` and `scheduler` make it resumable; leave them out for a final model.
-    `heads` (name -> module, e.g. PPO's value head) are saved next to the model as `<name>.safetensors`.
+    `heads` (name -> module, e.g. PPO's value head) are saved next to the model as `<name>.safetensors`;
+    a head that is a model of its own (PPO's critic) as a model folder `<name>/` with the tokenizer.
     """
     check_finite(model)
     remote = storage.is_remote(dest)
@@ -154,6 +155,11 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         for name, head in (heads or {}).items():
+            if hasattr(head, "save_pretrained"):
+                head.save_pretrained(staging / name, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(staging / name)
+                continue
             save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
                       staging / f"{name}.safetensors")
         if merge_lora and hasattr(model, "merge_and_unload"):

@@ -121,16 +121,18 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def load_reward_model(path: str, pad_token_id: int, dtype: str = "float32", trust_remote_code: bool = False,
-                      gradient_checkpointing: bool = False, trainable_adapter: bool = False):
+                      gradient_checkpointing: bool = False, trainable_adapter: bool = False, num_labels: int = 1):
     """A model with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): a causal LM or
     an encoder (a fresh head) or a reward checkpoint; a PEFT adapter folder is loaded on top of its base.
+    `num_labels` > 1 loads a classifier with that many labels as it is (its head must have as many rows;
+    with 1, a checkpoint with a wider head fails with a size mismatch).
 
     Causal LMs score a sequence at its last non-pad token, found through `config.pad_token_id`,
     so it is set to the tokenizer's pad id here (checkpoints saved afterwards carry it).
     """
     from transformers import AutoModelForSequenceClassification
 
-    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "num_labels": 1}
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "num_labels": num_labels}
     if _is_adapter(path):
         from peft import PeftConfig, PeftModel
 
