@@ -23,10 +23,9 @@ import re
 from pathlib import Path
 
 from trainer.config import ConfigError
+from trainer.rewards import BUILTIN_REWARDS, PARAMETRISED_REWARDS
 
 ALLOWLIST_ENV = "ALIGNFLOW_ALLOWED_REWARD_MODULES"
-BUILTIN_NAMES = ("exact_answer", "answer_format")
-PARAMETRISED_NAMES = ("regex", "length")
 
 
 def allowed_modules() -> list[str] | None:
@@ -42,10 +41,10 @@ def check_reward_specs(specs: list[str], field: str = "reward_funcs") -> None:
 
 def check_reward_spec(spec: str, field: str = "reward_funcs") -> None:
     """Raise a one-line ConfigError naming `field` and the spec when it cannot load (or is not allowed)."""
-    if spec in BUILTIN_NAMES:
+    if spec in BUILTIN_REWARDS:
         return
     name, sep, arg = spec.partition(":")
-    if sep and name in PARAMETRISED_NAMES:
+    if sep and name in PARAMETRISED_REWARDS:
         _check_parametrised(spec, name, arg, field)
         return
     if sep and name.endswith(".py"):
@@ -58,7 +57,7 @@ def check_reward_spec(spec: str, field: str = "reward_funcs") -> None:
     local = spec.startswith((".", "/", "~")) or ("/" not in spec and "://" not in spec)  # not a hub id org/name
     if local and not Path(spec).expanduser().exists():
         raise ConfigError(f"`{field}` entry {spec!r}: neither a built-in reward nor a reward-model folder. Give a checkpoint folder (the "
-                          f"output of `alignflow train reward`), a built-in ({', '.join(BUILTIN_NAMES)}, "
+                          f"output of `alignflow train reward`), a built-in ({', '.join(BUILTIN_REWARDS)}, "
                           "regex:<pattern>, length:<N>) or an import path `pkg.module:function`.")
     # A folder, s3:// prefix or hub id: a reward model, which its loader checks before the policy loads.
 

@@ -4,7 +4,8 @@ the fix, exit 2, no traceback, and (where the input can be checked first) no mod
 The cases run in-process through the console script's `main(argv)` (the real parsers and stages,
 real files, a real SeaweedFS for the object-store cases, the kernel's /dev/full for a full disk); a few
 run as real subprocesses to prove the exit code and stderr of the command itself. Every pre-flight case
-asks for `max_steps 100000` and must fail within `PREFLIGHT_LIMIT_S`. Per-case timings are printed at
+asks for `max_steps 100000` and must fail within `PREFLIGHT_LIMIT_S` (wall time in-process; CPU time for
+the subprocesses, whose wall time is mostly imports and grows with the machine's load). Per-case timings are printed at
 the end of the module (`pytest -s`) and written as JSON where ALIGNFLOW_BAD_INPUT_TIMINGS points.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, write_jsonl
+from tests.helpers import ROOT, grpo_config, write_jsonl
 from tests.servers import free_ports
 
 PREFLIGHT_LIMIT_S = 30.0
@@ -151,6 +153,8 @@ CASES = [
     Case("grpo reward_weights mismatch", grpo("--reward_weights", "1", "2"), ("reward_weights", "reward_funcs")),
     Case("grpo num_generations 1", grpo("--num_generations", "1"), ("num_generations",)),
     Case("grpo eval_split_ratio", grpo("--eval_split_ratio", "0.2"), ("eval_split_ratio", "eval_dataset")),
+    Case("grpo every prompt too long", grpo("--max_prompt_length", "2", "--truncation_mode", "drop"),
+         ("prompts.jsonl", "max_prompt_length=2", "truncation_mode keep_end")),
     Case("grpo reward inf", grpo("--reward_funcs", f"{THIS}:inf_reward", "--max_steps", "1", "--num_generations", "2",
                                  "--per_device_batch_size", "4", "--max_completion_length", "4",
                                  "--log_completions_steps", "0"), ("inf_reward", "inf", "sample 0"),
@@ -354,13 +358,17 @@ def test_a_valid_reward_path_passes_without_running_the_module(data, tiny_model,
 # --- the real commands, as subprocesses ---------------------------------------------------------------------
 
 
-def _command(*args: str, env: dict | None = None, timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
+def _command(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """`alignflow ARGS` as a subprocess; returns it and the CPU seconds it used. The bound is on CPU time:
+    a subprocess spends most of its wall time importing torch and transformers, which on a shared
+    2-core machine stretches from ~6 s to 30 s with the load, while its CPU time stays ~6 s."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.pop("ALIGNFLOW_DEBUG", None)
-    started = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
-    return done, time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return done, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def _one_error_line(done: subprocess.CompletedProcess) -> str:
@@ -377,7 +385,7 @@ def test_command_non_utf8_data_and_debug_traceback(data, tiny_model, tmp_path):
     line = _one_error_line(done)
     assert "latin1.jsonl" in line and "line 2" in line and "UTF-8" in line
     assert seconds < PREFLIGHT_LIMIT_S
-    TIMINGS["command: sft non-UTF-8 (subprocess)"] = seconds
+    TIMINGS["command: sft non-UTF-8 (subprocess, CPU s)"] = seconds
     debug, _ = _command(*args, "--debug")
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "DataError" in debug.stderr
 
@@ -390,7 +398,7 @@ def test_command_pipeline_run_with_a_bad_reward_path_fails_before_any_task(data,
     assert "`grpo` section" in line and "my_rewrds:accuracy" in line
     assert not (tmp_path / "o" / "pipeline-root").exists()  # no task ran
     assert seconds < PREFLIGHT_LIMIT_S
-    TIMINGS["command: pipeline run bad reward (subprocess)"] = seconds
+    TIMINGS["command: pipeline run bad reward (subprocess, CPU s)"] = seconds
 
 
 def test_command_submit_to_a_dead_host(tiny_model, tmp_path):
@@ -399,7 +407,7 @@ def test_command_submit_to_a_dead_host(tiny_model, tmp_path):
     done, seconds = _command("pipeline", "submit", "--host", f"http://127.0.0.1:{port}", "--config", config)
     line = _one_error_line(done)
     assert f"127.0.0.1:{port}" in line and "Cannot reach the KFP API" in line
-    TIMINGS["command: pipeline submit dead host (subprocess)"] = seconds
+    TIMINGS["command: pipeline submit dead host (subprocess, CPU s)"] = seconds
 
 
 def test_command_grpo_bad_reward_path(data, tiny_model, tmp_path):
@@ -408,4 +416,18 @@ def test_command_grpo_bad_reward_path(data, tiny_model, tmp_path):
     line = _one_error_line(done)
     assert "nosuch_rewards" in line and "reward_funcs" in line
     assert seconds < PREFLIGHT_LIMIT_S
-    TIMINGS["command: grpo bad reward (subprocess)"] = seconds
+    TIMINGS["command: grpo bad reward (subprocess, CPU s)"] = seconds
+
+
+def test_grpo_warns_once_with_counts_when_it_cuts_prompts(data, tiny_model, tmp_path, caplog):
+    """Left truncation (keep_end, the default) is not an error: one warning with the counts."""
+    from trainer.grpo import load_prompts
+    from trainer.models import load_tokenizer
+
+    config = grpo_config(tiny_model, tmp_path, max_prompt_length=3)
+    with caplog.at_level("WARNING", logger="trainer.grpo"):
+        prompts = load_prompts(str(data / "prompts.jsonl"), "train", load_tokenizer(tiny_model), config)
+    warnings = [r.getMessage() for r in caplog.records if "max_prompt_length" in r.getMessage()]
+    assert warnings == [f"{data / 'prompts.jsonl'}: 4 of 4 prompts are longer than max_prompt_length=3 "
+                        "(their start was cut)."]
+    assert all(len(ids) == 3 for ids in prompts.token_ids)
