@@ -22,7 +22,7 @@ PIPELINE_HELP = "Compile, run locally, submit or schedule the post-training pipe
 
 
 def pipeline(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="alignflow pipeline", description=PIPELINE_HELP)
+    parser = trainer_cli.FlagParser(prog="alignflow pipeline", description=PIPELINE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = "Pipeline config YAML (base model, datasets, per-stage options, gate, cluster resources)."
     check = sub.add_parser("validate", help="Check the config, datasets, base model, reward functions and MLflow "

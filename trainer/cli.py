@@ -23,6 +23,35 @@ import sys
 from trainer.stages import STAGES, stage_parts
 
 
+class FlagParser(argparse.ArgumentParser):
+    """An argument parser that takes `--a_b` for `--a-b` (and the reverse), as `alignflow train` does, on every
+    subcommand (subparsers are built with the parser's class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args([self._spelled(a) for a in args], namespace)
+
+    def _spelled(self, arg: str) -> str:
+        if not arg.startswith("--") or arg == "--":
+            return arg
+        name, eq, value = arg.partition("=")
+        for other in (name.replace("_", "-"), "--" + name[2:].replace("-", "_")):
+            if name not in self._option_string_actions and other in self._option_string_actions:
+                return other + eq + value
+        return arg
+
+
+def version() -> str:
+    """alignflow's version, from the installed package's metadata."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("alignflow")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("ALIGNFLOW_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -127,7 +156,7 @@ def _train(stage: str, argv: list[str]) -> int:
 
 
 def _model(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="alignflow model", description="Build or convert models offline.")
+    parser = FlagParser(prog="alignflow model", description="Build or convert models offline.")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("init-tiny", help="Write a small random-init Llama model and BPE tokenizer (offline, seconds).")
     tiny.add_argument("--out", required=True, help="Output folder.")
@@ -205,7 +234,7 @@ def _promote(argv: list[str]) -> int:
 
     from trainer import registry
 
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="alignflow promote", allow_abbrev=False,
         description="Register a checkpoint in the MLflow model registry and move @champion to it when it beats the "
                     "current champion on a metric; or roll @champion back to @previous-champion.",
@@ -253,9 +282,10 @@ def _promote(argv: list[str]) -> int:
 
 def make_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The top-level parser and its command groups; `pipelines.cli` adds the `pipeline` group to it."""
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="alignflow", description="Post-train language models: SFT, reward models, DPO, GRPO.",
         epilog="Run `alignflow train STAGE --help` for a stage's options.")
+    parser.add_argument("--version", action="version", version=f"alignflow {version()}")
     sub = parser.add_subparsers(dest="group", required=True)
     train = sub.add_parser("train", help="Run one training stage.", add_help=False)
     train.add_argument("stage", nargs="?", choices=sorted(STAGES), help="The stage to run.")

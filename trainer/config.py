@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -23,8 +25,11 @@ import yaml
 C = TypeVar("C", bound="TrainConfig")
 
 
-def option(default: Any, help: str, **kwargs: Any) -> Any:
-    """A dataclass field with a default and its help string."""
+def option(default: Any, help: str, aliases: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """A dataclass field with a default and its help string; `aliases` are TRL's names for it
+    (accepted in YAML files and as flags, with a note; listed by --help)."""
+    if aliases:  # HfArgumentParser adds `aliases` metadata as extra flags, so --help lists them
+        kwargs["aliases"] = [f"--{a}" for a in aliases]
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
     return field(default=default, metadata={"help": help, **kwargs})
@@ -43,20 +48,37 @@ class TrainConfig:
     """Fields shared by every training stage."""
 
     # --- model and data -------------------------------------------------------------------
-    model: str = option("", "Starting model: a local folder, an s3:// prefix or a hub id.")
+    model: str = option("", "Starting model: a local folder, an s3:// prefix or a hub id.",
+                        aliases=("model_name_or_path",))
     dataset: str = option("", "Training data: a jsonl/json/parquet/csv file, a `datasets.save_to_disk` folder, "
-                              "an s3:// prefix, a hub id, or `demo` for the built-in demo data.")
-    dataset_split: str = option("train", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
+                              "a folder with a dataset card (README.md `configs:`), an s3:// prefix, a hub id, or "
+                              "`demo` for the built-in demo data.", aliases=("dataset_name",))
+    dataset_config: str | None = option(None, "Configuration (subset) of `dataset`, as `name` of "
+                                              "`datasets.load_dataset`: for hub ids and folders with a dataset card.")
+    dataset_split: str = option("train", "Split to use when the dataset has several (hub ids, saved DatasetDicts).",
+                                aliases=("dataset_train_split",))
+    dataset_mixture: str | None = option(
+        None, "Train on several datasets at once, instead of `dataset` (TRL's `datasets:` list): a YAML/JSON list of "
+              "{path, name, data_dir, data_files, split, columns, fraction} mappings. Each part loads like `dataset` "
+              "(or with `datasets.load_dataset(path, name, data_dir=, data_files=)` when data_dir/data_files are "
+              "given); `columns` keeps those columns; `fraction` (all parts or none) sets each part's share, taking "
+              "the first rows of each so that none repeats. The parts must end with the same columns.",
+        aliases=("datasets",))
     eval_dataset: str | None = option(None, "Held-out data in the same format as `dataset` (optional).")
     eval_split_ratio: float = option(0.0, "When no `eval_dataset` is given, hold out this fraction of `dataset` "
-                                          "for evaluation (0 = no evaluation).")
+                                          "for evaluation (0 = no evaluation).", aliases=("test_split_size",))
     output_dir: str = option("outputs/run", "Where checkpoints and the final model go: a local folder or s3:// prefix.")
-    max_length: int = option(1024, "Longest tokenized example (prompt + completion), in tokens.")
+    chat_template_path: str | None = option(
+        None, "Chat template to use instead of the tokenizer's (for base models without one): a Jinja file, or a "
+              "tokenizer folder whose template is copied. Saved with every checkpoint.")
+    max_length: int = option(1024, "Longest tokenized example (prompt + completion), in tokens.",
+                             aliases=("max_seq_length",))
     truncation_mode: Literal["keep_start", "keep_end", "drop"] = option(
         "keep_start", "What to do with examples longer than `max_length`: keep their start, keep their end, "
                       "or drop them. The count is logged either way.")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
-        "float32", "Parameter dtype for training. bfloat16 halves memory; float32 is exact on CPU.")
+        "float32", "Parameter dtype for training. bfloat16 halves memory; float32 is exact on CPU.",
+        aliases=("torch_dtype",))
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass to save memory.")
     bf16: bool = option(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
                                "gradients and optimizer states stay in `dtype` (TRL's `bf16`). Under DeepSpeed its "
@@ -66,8 +88,10 @@ class TrainConfig:
 
     # --- optimisation -----------------------------------------------------------------------
     max_steps: int = option(-1, "Optimizer steps to run; -1 means `num_epochs` passes over the data.")
-    num_epochs: float = option(1.0, "Passes over the training data when `max_steps` is -1.")
-    per_device_batch_size: int = option(8, "Examples per forward pass on each device.")
+    num_epochs: float = option(1.0, "Passes over the training data when `max_steps` is -1.",
+                               aliases=("num_train_epochs",))
+    per_device_batch_size: int = option(8, "Examples per forward pass on each device.",
+                                        aliases=("per_device_train_batch_size",))
     gradient_accumulation_steps: int = option(1, "Forward passes per optimizer step.")
     learning_rate: float = option(2e-5, "Peak learning rate (AdamW).")
     weight_decay: float = option(0.0, "AdamW weight decay.")
@@ -77,7 +101,8 @@ class TrainConfig:
     max_nonfinite_steps: int = option(3, "Optimizer steps whose gradient norm is NaN or infinite (a non-finite loss "
                                          "or gradient) are skipped; this many in a row stop the run with an error.")
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"] = option(
-        "linear", "Learning-rate schedule after warmup (transformers' `get_scheduler` names).")
+        "linear", "Learning-rate schedule after warmup (transformers' `get_scheduler` names).",
+        aliases=("lr_scheduler_type",))
     warmup_ratio: float = option(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
     seed: int = option(42, "Seed for model init, data order and sampling.")
 
@@ -96,7 +121,8 @@ class TrainConfig:
     eval_steps: int = option(0, "Evaluate every this many steps (0 = only at the end).")
     resume_from_checkpoint: str | None = option(
         None, "A checkpoint folder to resume from, or `auto` for the newest complete checkpoint in `output_dir`.")
-    disable_progress_bar: bool = option(False, "Hide the progress bar (it also hides when stderr is not a terminal).")
+    disable_progress_bar: bool = option(False, "Hide the progress bar (it also hides when stderr is not a terminal).",
+                                        aliases=("disable_tqdm",))
 
     # --- LoRA ---------------------------------------------------------------------------------
     lora_r: int = option(0, "LoRA rank; 0 trains all weights.")
@@ -106,10 +132,14 @@ class TrainConfig:
     lora_merge_on_save: bool = option(False, "Also save a merged full model (in `merged/`) next to the adapter.")
 
     # --- MLflow -------------------------------------------------------------------------------
+    report_to: list[str] = option(["mlflow"], "`mlflow`: log to MLflow when a tracking URI is set; `none`: no MLflow "
+                                              "even when MLFLOW_TRACKING_URI is set (TRL's name and values; only "
+                                              "MLflow is supported, `all` means it).")
     mlflow_tracking_uri: str | None = option(
         None, "MLflow tracking URI; defaults to the MLFLOW_TRACKING_URI environment variable (unset = no MLflow).")
     mlflow_experiment: str = option("alignflow", "MLflow experiment name.")
-    mlflow_run_name: str | None = option(None, "MLflow run name (default: the stage name and a timestamp).")
+    mlflow_run_name: str | None = option(None, "MLflow run name (default: the stage name and a timestamp).",
+                                         aliases=("run_name",))
     mlflow_parent_run_id: str | None = option(
         None, "Log as a child of this MLflow run (pipelines set it; also read from MLFLOW_PARENT_RUN_ID).")
     mlflow_tags: list[str] = option([], "Extra run tags as KEY=VALUE.")
@@ -125,9 +155,10 @@ class TrainConfig:
         if not self.model:
             raise ConfigError("`model` is required: pass --model PATH (a folder from `alignflow model init-tiny`, "
                               "an s3:// prefix or a hub id).")
-        if not self.dataset:
+        if not self.dataset and not self.dataset_mixture:
             raise ConfigError("`dataset` is required: pass --dataset PATH (jsonl/parquet/csv, a saved dataset "
-                              "folder, an s3:// prefix, or `demo`).")
+                              "folder, an s3:// prefix, or `demo`), or a `dataset_mixture`.")
+        self._validate_trl_fields()
         positive = ("per_device_batch_size", "gradient_accumulation_steps", "max_length", "logging_steps")
         for name in positive:
             if getattr(self, name) < 1:
@@ -167,7 +198,26 @@ class TrainConfig:
 
     @property
     def tracking_uri(self) -> str | None:
+        if "none" in getattr(self, "report_to", ()):
+            return None
         return self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+    def _validate_trl_fields(self) -> None:
+        from trainer.data import check_chat_template_path, parse_mixture
+
+        if self.dataset and self.dataset_mixture:
+            raise ConfigError("Set either `dataset` or `dataset_mixture` (TRL's `datasets:`), not both.")
+        if self.dataset_mixture:
+            parse_mixture(self.dataset_mixture)
+            if self.dataset_config:
+                raise ConfigError("`dataset_config` applies to `dataset`; give each `dataset_mixture` entry its own "
+                                  "`name` instead.")
+        if self.chat_template_path:
+            check_chat_template_path(self.chat_template_path)
+        bad = [t for t in self.report_to if t not in ("mlflow", "none", "all")]
+        if bad:
+            raise ConfigError(f"`report_to` {bad[0]!r} is not supported: alignflow reports to MLflow only; set "
+                              "report_to to `mlflow` (or `none` for no tracking).")
 
     @property
     def mixed_precision(self) -> str:
@@ -190,38 +240,148 @@ def field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def aliases(cls: type) -> dict[str, str]:
+    """TRL's names for the fields of `cls`: alias -> field name."""
+    return {alias.removeprefix("--"): f.name for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
+
+
+_noted: set[str] = set()
+
+
+def note(message: str) -> None:
+    """Say once per process how a TRL name was read (rank 0 only under a launcher)."""
+    if message not in _noted and os.environ.get("RANK", "0") == "0":
+        _noted.add(message)
+        print(f"note: {message}", file=sys.stderr)
+
+
 def _unknown_field_error(cls: type, name: str, where: str) -> ConfigError:
-    names = field_names(cls)
+    from trainer.trl_names import trl_names
+
+    names = field_names(cls) + list(aliases(cls))
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f" Did you mean `{close[0]}`?" if close else ""
     command = getattr(cls, "command", f"alignflow train {cls.stage}")
+    if name in trl_names() and cls.stage != "eval":
+        return ConfigError(f"`{name}` ({where}) is a TRL option the {cls.stage} stage has no equivalent for; remove "
+                           f"it (docs/trl.md lists TRL's names and what they map to).{hint}")
     return ConfigError(f"Unknown {cls.stage} option `{name}` ({where}).{hint} "
                        f"Run `{command} --help` to list the options.")
 
 
-def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str) -> list[str]:
-    """Turn YAML overrides into ``--name value`` tokens so argparse type-checks them too."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    argv: list[str] = []
+def _canonical(cls: type, key: str, value: Any, where: str, trl: dict[str, Any]) -> str | None:
+    """The field `key` sets (its own name or the field a TRL alias names), or None for a TRL-only option,
+    which is put in `trl` when it needs translating, or checked and dropped when alignflow ignores it."""
+    from trainer import trl_names
+
+    key = key.replace("-", "_")
+    fields, alias = field_names(cls), aliases(cls)
+    if key in fields:
+        return key
+    if key in alias:
+        note(f"{key} is TRL's name for {alias[key]}")
+        return alias[key]
+    if cls.stage != "eval" and key in trl_names.TRANSLATED:
+        trl[key] = value
+        return None
+    known = trl_names.KNOWN.get(key) if cls.stage != "eval" else None
+    if known is None:
+        raise _unknown_field_error(cls, key, where)
+    if not known.accept(value):
+        shown = json.dumps(value) if isinstance(value, bool) or value is None else value
+        raise ConfigError(f"`{key}: {shown}` ({where}) is a TRL option alignflow does not support: {known.reason}. "
+                          f"Remove it.")
+    note(f"{key} ignored: {known.reason}")
+    return None
+
+
+def _trl_value(name: str, value: Any) -> Any:
+    """A field's value, with TRL's spelling of "off" turned into alignflow's (`top_k: 0` -> -1)."""
+    from trainer.trl_names import VALUES
+
+    mapped = VALUES.get(name, {})
+    if not isinstance(value, bool) and isinstance(value, int | float) and value in mapped:
+        note(f"{name} {value} is TRL's 'off'; alignflow's is {mapped[value]}")
+        return mapped[value]
+    return value
+
+
+def _value_argv(key: str, value: Any, source: str) -> list[str]:
+    """`--key value...` tokens for one override (None and empty lists give none: they are the defaults)."""
+    if value is None:
+        return []  # argparse cannot express None; None is every Optional field's default
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return [f"--{key}", json.dumps(value)]  # a list of mappings (`dataset_mixture`) travels as JSON
+    if isinstance(value, list):
+        if not value:
+            return []
+        return [f"--{key}", *[str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in value]]
+    if isinstance(value, bool):
+        return [f"--{key}", "true" if value else "false"]
+    if isinstance(value, float) and value.is_integer():
+        return [f"--{key}", str(int(value))]  # KFP's structured parameters turn ints into floats
+    if isinstance(value, dict):
+        raise ConfigError(f"`{key}` in {source} is a mapping; it takes a single value.")
+    return [f"--{key}", str(value)]
+
+
+def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str, flag_trl: dict[str, Any] | None = None,
+                  flag_fields: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Turn YAML overrides (TRL names included) into ``--name value`` tokens so argparse type-checks them too.
+
+    `flag_trl` are TRL-only options from the command line and `flag_fields` the fields set there: TRL options
+    are translated together, and the flags (parsed after these tokens) win over everything here."""
+    from trainer.trl_names import translate
+
+    trl: dict[str, Any] = {}
+    resolved: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for key, value in overrides.items():
-        if key not in fields:
-            raise _unknown_field_error(cls, key, f"in {source}")
-        if value is None:
-            continue  # argparse cannot express None; None is every Optional field's default
-        if isinstance(value, list):
-            if not value:
-                continue
-            argv += [f"--{key}", *[str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
-                                   for v in value]]
-        elif isinstance(value, bool):
-            argv += [f"--{key}", "true" if value else "false"]
-        elif isinstance(value, float) and value.is_integer():
-            argv += [f"--{key}", str(int(value))]  # KFP's structured parameters turn ints into floats
-        elif isinstance(value, dict):
-            raise ConfigError(f"`{key}` in {source} is a mapping; it takes a single value.")
-        else:
-            argv += [f"--{key}", str(value)]
-    return argv
+        name = _canonical(cls, str(key), value, f"in {source}", trl)
+        if name is not None and name in resolved:  # a field and its TRL name, or two TRL names of one field
+            raise ConfigError(f"{source} sets `{name}` twice (as `{key}` and as `{origin[name]}`); keep one.")
+        if name is not None:
+            resolved[name], origin[name] = _trl_value(name, value), str(key)
+    trl |= flag_trl or {}
+    translated = translate(trl, set(field_names(cls)), set(resolved) | set(flag_fields), note)
+    # TRL's `use_peft: false` means full fine-tuning even when the file also sets `lora_r`.
+    forced = {"lora_r"} if trl.get("use_peft") is False or trl.get("use_peft") == 0 else set()
+    resolved |= {k: v for k, v in translated.items() if k not in resolved or k in forced}
+    return [token for key, value in resolved.items() for token in _value_argv(key, value, source)]
+
+
+def _flags(cls: type, argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Command-line flags with TRL aliases renamed (`--model_name_or_path` -> `--model`) and TRL-only flags
+    (`--use_peft true`) taken out, as {name: value}; anything unknown is left for argparse to report."""
+    from trainer import trl_names
+
+    fields, alias = set(field_names(cls)), aliases(cls)
+    trl_only = (trl_names.TRANSLATED | set(trl_names.KNOWN)) if cls.stage != "eval" else set()
+    out: list[str] = []
+    trl: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        key, eq, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        name = key.replace("-", "_")
+        if name in fields and name in trl_names.VALUES and not eq and i < len(argv):
+            out += [token, str(_trl_value(name, yaml.safe_load(argv[i])))]
+            i += 1
+            continue
+        if not (name in alias or name in trl_only) or name in fields:
+            out.append(token)
+            continue
+        values = [inline] if eq else []
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        parsed = [yaml.safe_load(v) for v in values]
+        value = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
+        field_name = _canonical(cls, name, value, "on the command line", trl)
+        if field_name is not None:
+            out += [f"--{field_name}", *values]
+    return out, trl
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -253,16 +413,17 @@ def make_parser(cls: type, prog: str | None = None):
 
 
 def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None) -> C:
-    """Build a stage config from ``--config FILE.yaml`` and ``--<field> VALUE`` flags."""
-    import sys
-
+    """Build a stage config from ``--config FILE.yaml`` and ``--<field> VALUE`` flags (TRL's names too)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser(cls, prog=prog)
+    argv, flag_trl = _flags(cls, argv)
+    flag_fields = {t[2:].split("=")[0].replace("-", "_") for t in argv if t.startswith("--")}
     # Find --config without letting argparse complain about anything else yet.
     pre, _ = parser.parse_known_args(argv) if "-h" not in argv and "--help" not in argv else (None, None)
     yaml_argv: list[str] = []
-    if pre is not None and pre.config:
-        yaml_argv = _yaml_to_argv(cls, load_yaml(pre.config), pre.config)
+    if pre is not None and (pre.config or flag_trl):
+        values = load_yaml(pre.config) if pre.config else {}
+        yaml_argv = _yaml_to_argv(cls, values, pre.config or "the command line", flag_trl, flag_fields)
     # Flags after the YAML ones win (argparse keeps the last value).
     namespace, remaining = parser.parse_known_args(yaml_argv + argv)
     if remaining:

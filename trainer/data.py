@@ -52,14 +52,20 @@ def _builder_for(path: Path) -> str | None:
     return DATA_EXTENSIONS.get(suffixes[-1]) if suffixes else None
 
 
-def load_rows(spec: str, split: str = "train") -> datasets.Dataset:
-    """Load a dataset from any supported source as one `datasets.Dataset`."""
+def load_rows(spec: str, split: str = "train", name: str | None = None) -> datasets.Dataset:
+    """Load a dataset from any supported source as one `datasets.Dataset`; `name` is the configuration
+    (subset) of a hub dataset or of a folder with a dataset card (`dataset_config`)."""
     if spec == "demo" or spec.startswith("demo:"):
         spec = str(demo_path(spec.partition(":")[2] or "sft"))
     if is_remote(spec):
         spec = fetch_to_local(spec)
     path = Path(spec)
-    if path.is_file():
+    if name and path.is_file():
+        raise DataError(f"`dataset_config` {name!r} names a configuration of a hub dataset or of a folder with a "
+                        f"dataset card; {spec!r} is a single file: unset dataset_config.")
+    if name and path.is_dir():
+        ds = _load_with_builder(str(path), name, split)
+    elif path.is_file():
         builder = _builder_for(path)
         if builder is None:
             raise DataError(f"Cannot read {spec!r}: unsupported file type. Use .jsonl, .json, .parquet or .csv "
@@ -81,7 +87,7 @@ def load_rows(spec: str, split: str = "train") -> datasets.Dataset:
         raise DataError(f"Dataset path {spec!r} does not exist.")
     else:
         try:
-            ds = datasets.load_dataset(spec, split=split)
+            ds = datasets.load_dataset(spec, name, split=split)
         except Exception as err:
             raise DataError(f"Dataset {spec!r} is neither a local file/folder nor a loadable hub dataset "
                             f"({type(err).__name__}: {err}). Check the path, or pass a jsonl/parquet file.") from err
@@ -442,9 +448,10 @@ def dataset_fingerprint(ds: datasets.Dataset) -> str:
 
 def load_train_eval(config) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """A stage's training rows and its held-out rows (`eval_dataset`, or an `eval_split_ratio` split, or None)."""
-    rows = load_rows(config.dataset, config.dataset_split)
+    rows = train_rows(config)
     if config.eval_dataset:
-        return rows, load_rows(config.eval_dataset, config.dataset_split)
+        name = config.dataset_config if config.eval_dataset == config.dataset else None
+        return rows, load_rows(config.eval_dataset, config.dataset_split, name)
     if config.eval_split_ratio:
         return split_eval(rows, config.eval_split_ratio, config.seed)
     return rows, None
@@ -453,9 +460,172 @@ def load_train_eval(config) -> tuple[datasets.Dataset, datasets.Dataset | None]:
 def describe_datasets(config, rows: datasets.Dataset, eval_rows: datasets.Dataset | None,
                       train_counts: dict[str, int], eval_counts: dict[str, int] | None = None) -> dict[str, dict]:
     """The manifest's `datasets`: path, fingerprint and sizes of the training (and eval) data."""
-    info = {"train": {"path": config.dataset, "fingerprint": dataset_fingerprint(rows), "rows": len(rows),
+    info = {"train": {"path": dataset_label(config), "fingerprint": dataset_fingerprint(rows), "rows": len(rows),
                       **train_counts}}
     if eval_rows is not None:
         info["eval"] = {"path": config.eval_dataset or "split", "fingerprint": dataset_fingerprint(eval_rows),
                         "rows": len(eval_rows), **(eval_counts or {})}
     return info
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL's dataset options: `dataset_config`, `dataset_mixture` (TRL's `datasets:` list), `chat_template_path`
+
+
+def _load_with_builder(path: str, name: str | None, split: str, data_dir: str | None = None,
+                       data_files: Any = None) -> datasets.Dataset:
+    """`datasets.load_dataset` with a configuration name or data files (a folder with a dataset card, a builder
+    such as `json` with `data_files`, or a hub id)."""
+    try:
+        return datasets.load_dataset(path, name, data_dir=data_dir, data_files=data_files, split=split)
+    except Exception as err:  # datasets raises many types (missing config, split, file)
+        raise DataError(f"Could not load dataset {path!r}" + (f" (configuration {name!r})" if name else "")
+                        + f" split {split!r}: {type(err).__name__}: {err}") from err
+
+
+def train_rows(config) -> datasets.Dataset:
+    """A stage's training rows: `dataset` (with `dataset_config`) or the `dataset_mixture`."""
+    if config.dataset_mixture:
+        return load_mixture(config.dataset_mixture)
+    return load_rows(config.dataset, config.dataset_split, config.dataset_config)
+
+
+def dataset_label(config) -> str:
+    """How the training data are named in logs, errors and the manifest."""
+    if config.dataset_mixture:
+        return "mixture of " + " + ".join(part.path for part in parse_mixture(config.dataset_mixture))
+    return config.dataset + (f" ({config.dataset_config})" if config.dataset_config else "")
+
+
+@dataclass
+class MixturePart:
+    """One entry of `dataset_mixture`: the keys of TRL's `DatasetConfig` (arguments of `datasets.load_dataset`)."""
+
+    path: str
+    name: str | None = None
+    data_dir: str | None = None
+    data_files: str | list[str] | dict[str, str] | None = None
+    split: str = "train"
+    columns: list[str] | None = None
+    fraction: float | None = None
+
+
+MIXTURE_KEYS = tuple(MixturePart.__dataclass_fields__)
+
+
+def parse_mixture(text: str) -> list[MixturePart]:
+    """The entries of a `dataset_mixture` (YAML or JSON text of a list, or of a mapping with `datasets:`)."""
+    import yaml
+
+    from trainer.config import ConfigError
+
+    try:
+        entries = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"`dataset_mixture` is not valid YAML/JSON: {err}") from None
+    if isinstance(entries, dict) and "datasets" in entries:
+        entries = entries["datasets"]
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("`dataset_mixture` must be a non-empty list of {path, name, split, columns, fraction, ...} "
+                          f"mappings (TRL's `datasets:`); got {entries!r}.")
+    parts = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise ConfigError(f"`dataset_mixture[{i}]` needs a `path` (a file, folder, s3:// prefix, hub id or "
+                              f"builder such as `json`); got {entry!r}.")
+        unknown = sorted(set(entry) - set(MIXTURE_KEYS))
+        if unknown:
+            raise ConfigError(f"`dataset_mixture[{i}]` has unknown keys {unknown}; the keys are "
+                              f"{', '.join(MIXTURE_KEYS)}.")
+        part = MixturePart(**entry)
+        fraction = part.fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float)
+                                     or fraction <= 0):
+            raise ConfigError(f"`dataset_mixture[{i}].fraction` must be a number > 0, got {fraction!r}.")
+        if part.columns is not None and (not isinstance(part.columns, list) or not part.columns
+                                         or not all(isinstance(c, str) for c in part.columns)):
+            raise ConfigError(f"`dataset_mixture[{i}].columns` must be a list of column names, got {part.columns!r}.")
+        parts.append(part)
+    if len({p.fraction is None for p in parts}) > 1:
+        raise ConfigError("`dataset_mixture`: set `fraction` on every entry or on none.")
+    return parts
+
+
+def load_mixture(text: str) -> datasets.Dataset:
+    """The rows of every `dataset_mixture` entry, concatenated in order (no shuffling here: training shuffles).
+
+    With fractions f_i (normalised to shares s_i), the mixture has N = min_i(len_i / s_i) rows, the largest size at
+    which no dataset repeats, and takes the first round(s_i * N) rows of each."""
+    parts = parse_mixture(text)
+    loaded = []
+    for i, part in enumerate(parts):
+        if part.data_dir or part.data_files:
+            ds = _load_with_builder(part.path, part.name, part.split, part.data_dir, part.data_files)
+        else:
+            ds = load_rows(part.path, part.split, part.name)
+        if part.columns:
+            missing = sorted(set(part.columns) - set(ds.column_names))
+            if missing:
+                raise DataError(f"`dataset_mixture[{i}]` ({part.path!r}) has no columns {missing}; it has "
+                                f"{sorted(ds.column_names)}.")
+            ds = ds.select_columns(part.columns)
+        if len(ds) == 0:
+            raise DataError(f"`dataset_mixture[{i}]` ({part.path!r}) has no rows.")
+        loaded.append(ds)
+    if parts[0].fraction is not None:
+        total = sum(p.fraction for p in parts)
+        shares = [p.fraction / total for p in parts]
+        size = min(len(ds) / share for ds, share in zip(loaded, shares, strict=True))
+        loaded = [ds.select(range(min(len(ds), round(share * size)))) for ds, share in zip(loaded, shares, strict=True)]
+    first = loaded[0]
+    for i, ds in enumerate(loaded[1:], 1):
+        if set(ds.column_names) != set(first.column_names):
+            raise DataError(f"`dataset_mixture[{i}]` ({parts[i].path!r}) has columns {sorted(ds.column_names)} but "
+                            f"`dataset_mixture[0]` has {sorted(first.column_names)}; pick the same ones with "
+                            "`columns`.")
+    try:
+        return datasets.concatenate_datasets([first] + [ds.cast(first.features) for ds in loaded[1:]])
+    except (ValueError, TypeError) as err:
+        raise DataError(f"The `dataset_mixture` entries have the same columns but different types: {err}") from err
+
+
+def check_chat_template_path(path: str) -> None:
+    """Fail before any work when a local `chat_template_path` does not exist (hub ids and s3:// are fetched later)."""
+    from trainer.config import ConfigError
+
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or Path(path).suffix in (".jinja", ".j2")
+    if not is_remote(path) and looks_local and not Path(path).expanduser().exists():
+        raise ConfigError(f"`chat_template_path` {path!r} does not exist: give a Jinja template file or a tokenizer "
+                          "folder with a chat template.")
+
+
+def read_chat_template(path: str) -> str:
+    """The chat template in a Jinja file, or that of a tokenizer folder (or hub id), checked to parse."""
+    import jinja2
+
+    local = fetch_to_local(path) if is_remote(path) else str(Path(path).expanduser())
+    if Path(local).is_file():
+        template = Path(local).read_text()
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            template = AutoTokenizer.from_pretrained(local).chat_template
+        except Exception as err:
+            raise DataError(f"`chat_template_path` {path!r} is neither a Jinja file nor a loadable tokenizer: "
+                            f"{type(err).__name__}: {err}") from err
+    if not isinstance(template, str) or not template.strip():
+        raise DataError(f"`chat_template_path` {path!r} holds no chat template.")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise DataError(f"`chat_template_path` {path!r} is not a valid Jinja template: line {err.lineno}: "
+                        f"{err.message}") from err
+    return template
+
+
+def set_chat_template(tokenizer, path: str) -> None:
+    """Give the tokenizer the chat template at `path` (saved with every checkpoint, like its own)."""
+    had = bool(getattr(tokenizer, "chat_template", None))
+    tokenizer.chat_template = read_chat_template(path)
+    log.info("Chat template from %s%s.", path, " (replacing the tokenizer's own)" if had else "")

@@ -289,6 +289,22 @@ def rank_rng_states(accelerator) -> list[dict] | None:
     return gather_object([rng_state()])
 
 
+def every_rank(accelerator, value: Any) -> list:
+    """`value` from every rank, in rank order (JSON-able values; every rank must call it)."""
+    if accelerator.num_processes == 1:
+        return [value]
+    from accelerate.utils import gather_object
+
+    return gather_object([value])
+
+
+def this_rank(accelerator, values: list | None) -> Any:
+    """This rank's entry of an `every_rank` list from a checkpoint; None when absent or saved by another world size."""
+    if not values or len(values) != accelerator.num_processes:
+        return None
+    return values[accelerator.process_index]
+
+
 def restore_rank_rng(accelerator, states: list[dict] | None) -> None:
     """Undo `rank_rng_states` on this rank (the checkpoint restored rank 0's state on every rank)."""
     if not states or accelerator.num_processes == 1:

@@ -51,7 +51,7 @@ from trainer.completions import (
     use_block_attention,
 )
 from trainer.config import ConfigError, TrainConfig, option
-from trainer.data import DataError, describe_datasets, is_conversational, load_rows
+from trainer.data import DataError, dataset_label, describe_datasets, is_conversational, load_rows, train_rows
 from trainer.logprobs import TargetLM
 from trainer.loop import MetricWindow, keep_freed_memory
 from trainer.losses import (
@@ -80,7 +80,8 @@ class GRPOConfig(TrainConfig):
     """Group relative policy optimisation with rule, Python or reward-model rewards."""
 
     learning_rate: float = option(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
-    per_device_batch_size: int = option(8, "Completions per forward/backward pass (as TRL counts it).")
+    per_device_batch_size: int = option(8, "Completions per forward/backward pass (as TRL counts it).",
+                                        aliases=("per_device_train_batch_size",))
     max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
     logging_steps: int = option(1, "Log metrics every this many steps.")
     reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
@@ -114,8 +115,11 @@ class GRPOConfig(TrainConfig):
     vllm_gpu_memory_utilization: float = option(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
     vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
     importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
-                                                         "rollout-engine probabilities (engine log-probs kept).")
-    importance_sampling_cap: float = option(3.0, "Cap of that importance ratio (token level).")
+                                                         "rollout-engine probabilities (engine log-probs kept).",
+                                                  aliases=("vllm_importance_sampling_correction",))
+    importance_sampling_cap: float = option(3.0, "Cap of that importance ratio (token level).",
+                                            aliases=("vllm_importance_sampling_cap",
+                                                     "vllm_importance_sampling_clip_max"))
     share_prompt: bool = option(True, "Run each group's prompt through the model once per micro-batch instead of "
                                       "once per completion (completions see it through a block attention mask; "
                                       "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
@@ -171,9 +175,10 @@ class PromptSet:
         return [c for c in self.rows.column_names if c != "prompt"]
 
 
-def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig) -> PromptSet:
-    """Prompt rows (a `prompt` column, text or chat) tokenized and cut to `max_prompt_length`."""
-    rows = load_rows(spec, split)
+def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig, rows=None) -> PromptSet:
+    """Prompt rows (a `prompt` column, text or chat; loaded from `spec` unless given) tokenized and cut to
+    `max_prompt_length`."""
+    rows = load_rows(spec, split) if rows is None else rows
     if "prompt" not in rows.column_names:
         raise DataError(f"Dataset {spec!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` column "
                         "(text or chat messages) plus any columns the reward functions read.")
@@ -217,7 +222,7 @@ def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet 
     if config.eval_split_ratio:
         raise ConfigError(f"{config.stage.upper()} evaluates on held-out prompts from `eval_dataset`; "
                           "`eval_split_ratio` is not supported: pass --eval_dataset PATH instead.")
-    data = load_prompts(config.dataset, config.dataset_split, tokenizer, config)
+    data = load_prompts(dataset_label(config), config.dataset_split, tokenizer, config, rows=train_rows(config))
     eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
                  if config.eval_dataset else None)
     funcs = [load_reward_function(spec) for spec in config.reward_funcs]

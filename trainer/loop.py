@@ -111,6 +111,18 @@ class MetricWindow:
         self.counts.clear()
         return out
 
+    def state(self) -> dict[str, dict]:
+        """The unlogged part of the window, as JSON (kept in step checkpoints so that the window
+        straddling a resume logs the same means as an uninterrupted run)."""
+        return {"sums": dict(self.sums), "counts": dict(self.counts)}
+
+    def load(self, state: dict[str, dict] | None) -> None:
+        self.sums.clear()
+        self.counts.clear()
+        if state:
+            self.sums.update(state["sums"])
+            self.counts.update(state["counts"])
+
 
 class Progress:
     """A tqdm bar on a terminal; plain log lines every logging step everywhere (KFP logs, CI)."""

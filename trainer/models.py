@@ -65,7 +65,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 def model_and_tokenizer(config) -> tuple[str, Any]:
     """A stage's starting point: the local path of `config.model` (fetched or resolved) and its tokenizer."""
     path = resolve_model_path(config.model)
-    return path, load_tokenizer(path, config.trust_remote_code)
+    tokenizer = load_tokenizer(path, config.trust_remote_code)
+    if getattr(config, "chat_template_path", None):
+        from trainer.data import set_chat_template
+
+        set_chat_template(tokenizer, config.chat_template_path)
+    return path, tokenizer
 
 
 def _is_adapter(path: str) -> bool:

@@ -80,10 +80,11 @@ VALUE_HEAD = "value_head"  # saved as value_head.safetensors in every checkpoint
 
 
 def _as_in_grpo(name: str, **overrides):
-    """A field GRPO has too (rollouts, rewards, prompts): the same help, one place to document it."""
+    """A field GRPO has too (rollouts, rewards, prompts): the same help and TRL names, one place to document it."""
     f = GRPOConfig.__dataclass_fields__[name]
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    return option(overrides.get("default", default), f.metadata["help"])
+    aliases = tuple(a.removeprefix("--") for a in f.metadata.get("aliases", ())) + overrides.get("aliases", ())
+    return option(overrides.get("default", default), f.metadata["help"], aliases=aliases)
 
 
 @dataclass
@@ -91,14 +92,16 @@ class PPOConfig(TrainConfig):
     """PPO with a value head, GAE and adaptive KL control (RLHF: Ziegler et al. 2019, Ouyang et al. 2022)."""
 
     learning_rate: float = option(3e-6, "Peak learning rate (AdamW); TRL's PPO default.")
-    per_device_batch_size: int = option(8, "Rollouts per forward/backward pass (micro-batch).")
+    per_device_batch_size: int = option(8, "Rollouts per forward/backward pass (micro-batch).",
+                                        aliases=("per_device_train_batch_size",))
     max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts); "
                                  "a PPO step takes ppo_epochs x batch_size / mini_batch_size of them.")
     logging_steps: int = option(1, "Log metrics every this many steps.")
     batch_size: int = option(16, "Rollouts (prompts, one completion each) per PPO step, on each rank.")
     mini_batch_size: int = option(8, "Rollouts per optimizer step; a multiple of per_device_batch_size "
                                      "(the quotient is the gradient accumulation).")
-    ppo_epochs: int = option(4, "Passes over each PPO step's rollouts (in shuffled mini-batches).")
+    ppo_epochs: int = option(4, "Passes over each PPO step's rollouts (in shuffled mini-batches).",
+                             aliases=("num_ppo_epochs",))
     gamma: float = option(1.0, "Discount factor of GAE. https://arxiv.org/abs/1506.02438")
     lam: float = option(0.95, "Lambda of GAE (bias/variance trade-off of the advantages).")
     cliprange: float = option(0.2, "Clip range of the policy ratio (epsilon of PPO). https://arxiv.org/abs/1707.06347")
@@ -106,7 +109,7 @@ class PPOConfig(TrainConfig):
     vf_coef: float = option(0.1, "Weight of the value loss in the total loss.")
     whiten_rewards: bool = option(False, "Whiten the per-token rewards (keeping their mean) before GAE.")
     init_kl_coef: float = option(0.05, "KL coefficient beta of the per-token KL penalty (TRL PPOv2's `kl_coef`); "
-                                       "the starting value when `adap_kl_ctrl`.")
+                                       "the starting value when `adap_kl_ctrl`.", aliases=("kl_coef",))
     adap_kl_ctrl: bool = option(False, "Adapt beta towards `target_kl` (proportional controller of Ziegler et al. "
                                        "2019). https://arxiv.org/abs/1909.08593")
     target_kl: float = option(6.0, "Target KL (summed over a completion's tokens) of the adaptive controller.")
@@ -117,7 +120,7 @@ class PPOConfig(TrainConfig):
     reward_funcs: list[str] = _as_in_grpo("reward_funcs")
     reward_weights: list[float] = _as_in_grpo("reward_weights")
     max_prompt_length: int = _as_in_grpo("max_prompt_length")
-    max_completion_length: int = _as_in_grpo("max_completion_length")
+    max_completion_length: int = _as_in_grpo("max_completion_length", aliases=("response_length",))
     temperature: float = _as_in_grpo("temperature")
     top_p: float = _as_in_grpo("top_p")
     top_k: int = _as_in_grpo("top_k")

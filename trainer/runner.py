@@ -137,6 +137,7 @@ class StageRunner:
             self.state = ckpt.load_training_state(self.resume, self._checkpoint_optimizer, self.scheduler)
             distributed.load_engine_state(self.accelerator, self.model, self.resume)
             distributed.restore_rank_rng(self.accelerator, self.state.extra.get("rank_rng"))
+            self.window.load(distributed.this_rank(self.accelerator, self.state.extra.get("metric_window")))
         self.progress = Progress(total_steps, self.state.global_step, self.stage,
                                  config.disable_progress_bar or not self.is_main)
         self.tracker  # noqa: B018 (opens the MLflow run now that setup can no longer fail)
@@ -292,6 +293,7 @@ class StageRunner:
             distributed.save_engine_state(self.accelerator, self.model, ckpt.step_dir(config.output_dir, step))
             if (rank_rng := distributed.rank_rng_states(self.accelerator)) is not None:
                 self.state.extra["rank_rng"] = rank_rng
+            self.state.extra["metric_window"] = distributed.every_rank(self.accelerator, self.window.state())
         with distributed.full_params(self.accelerator, self.model):
             if self.is_main:
                 common = dict(model=self.module, tokenizer=self.tokenizer, history=self.tracker.history,
