@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.group == "pipeline":
         trainer_cli.setup_logging()
-        command = next((a for a in rest if a in ("validate", "compile", "run", "submit", "schedule")), "")
+        command = next((a for a in rest if not a.startswith("-")), "")  # the subcommand, for the error line
         return trainer_cli.guarded(f"alignflow pipeline {command}".strip(), pipeline, rest)
     return trainer_cli.run_group(args, rest)
 
