@@ -4,11 +4,14 @@ stage configs, and the input fingerprints that make cache keys follow the data.
 A run started from the KFP UI never passes through `alignflow pipeline submit`'s checks, so the
 pipeline checks its own parameters in its first task (`stages.check_inputs`): a wrong value fails
 in seconds, naming the field and the allowed values, before any GPU is requested. The CLI runs the
-same checks before it submits.
+same checks before it submits (`alignflow pipeline validate` runs them alone). They include each
+`reward_funcs` import path, resolved without running it (`trainer.reward_specs`), so a misspelt
+reward function fails here and not after SFT and the reward model have trained.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trainer import storage
@@ -45,8 +48,8 @@ def check_knobs(knobs: dict[str, Any]) -> None:
     for name, value in knobs.items():
         if name not in KNOBS:
             raise ConfigError(f"Unknown pipeline knob `{name}`; the knobs are {', '.join(KNOBS)}.")
-        if value < 0:
-            raise ConfigError(f"`{name}` must be 0 (each stage's own value) or positive, got {value}.")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"`{name}` must be 0 (each stage's own value) or a finite positive number, got {value}.")
     if knobs.get("num_generations") == 1:
         raise ConfigError("`num_generations` must be 0 (the grpo section's value) or >= 2: GRPO compares "
                           "completions within a group.")
@@ -58,6 +61,7 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
     from components.trainjob import split_config
     from trainer.config import config_from_dict
     from trainer.evaluate import EvalConfig
+    from trainer.reward_specs import check_reward_specs
     from trainer.stages import stage_parts
 
     if algorithm not in ALGORITHMS:
@@ -70,11 +74,14 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
         try:
             # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
             multi, values = split_config(with_knobs(stage, stage_configs.get(stage) or {}, knobs))
-            multi.check(stage, config_from_dict(config_cls, {**values, **_PLACEHOLDERS}))
+            config = config_from_dict(config_cls, {**values, **_PLACEHOLDERS})
+            multi.check(stage, config)
+            # Import paths resolve (and are allowed) before any task runs, not when GRPO starts.
+            check_reward_specs(getattr(config, "reward_funcs", []))
         except ConfigError as err:
             raise ConfigError(f"In the `{stage}` section of the pipeline config: {err}") from None
     try:
-        config_from_dict(EvalConfig, {**eval_config, **_PLACEHOLDERS})
+        check_reward_specs(config_from_dict(EvalConfig, {**eval_config, **_PLACEHOLDERS}).reward_funcs)
     except ConfigError as err:
         raise ConfigError(f"In the `evaluate` section of the pipeline config: {err}") from None
 

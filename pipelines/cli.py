@@ -1,5 +1,6 @@
 """The `alignflow` console script: the `pipeline` commands, and every other group from `trainer.cli`.
 
+    alignflow pipeline validate --config FILE.yaml
     alignflow pipeline compile [--out FILE.yaml] [--config FILE.yaml]
     alignflow pipeline run --local --config FILE.yaml [--output DIR] [--pipeline-root DIR|s3://...] [--retries N]
     alignflow pipeline submit --host URL --config FILE.yaml [--namespace NS] [--token-file F] [--run-name N] [--wait]
@@ -24,6 +25,10 @@ def pipeline(argv: list[str]) -> int:
     parser = trainer_cli.FlagParser(prog="alignflow pipeline", description=PIPELINE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = "Pipeline config YAML (base model, datasets, per-stage options, gate, cluster resources)."
+    check = sub.add_parser("validate", help="Check the config, datasets, base model, reward functions and MLflow "
+                                             "without running anything (what `run` and `submit` check first).")
+    check.add_argument("--config", required=True, help=config_help)
+    check.add_argument("--base-model", help="Override the config's `base_model` (a model folder).")
     comp = sub.add_parser("compile", help="Write the pipeline YAML to upload in the KFP UI.")
     comp.add_argument("--out", default="post_training.yaml", help="Output file (default post_training.yaml).")
     comp.add_argument("--config", help=config_help + " Only its `cluster` section matters here.")
@@ -69,12 +74,15 @@ def pipeline(argv: list[str]) -> int:
 
     from pipelines import cluster
     from pipelines import run as pipeline_run
-    from trainer.config import ConfigError
 
     try:
         overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
         config = pipeline_run.load_pipeline_config(args.config, overrides) if args.config else None
-        if args.command == "compile":
+        if args.command == "validate":
+            pipeline_run.validate(config)
+            print(f"{args.config}: every check passed (stage options, datasets, base model, reward functions, "
+                  "MLflow).")
+        elif args.command == "compile":
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
             from trainer.tracking import redact_uri
@@ -93,12 +101,10 @@ def pipeline(argv: list[str]) -> int:
             rid = cluster.schedule(target, args.cron, config, args.experiment, args.job_name,
                                    cache=not args.no_cache)
             print(f"Created recurring run {rid} ({args.cron})")
-    except ConfigError as err:
-        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except cluster.ClusterError as err:
-        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
-        return 1
+    except cluster.ClusterError as err:  # the KFP API refused or cannot be reached: one line, exit 2
+        from trainer.config import ConfigError
+
+        raise ConfigError(str(err)) from err
     return 0
 
 
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.group == "pipeline":
         trainer_cli.setup_logging()
-        return pipeline(rest)
+        command = next((a for a in rest if not a.startswith("-")), "")  # the subcommand, for the error line
+        return trainer_cli.guarded(f"alignflow pipeline {command}".strip(), pipeline, rest)
     return trainer_cli.run_group(args, rest)
 
 

@@ -201,8 +201,9 @@ def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig, rows=None
                     {"keep_end": "their start was cut", "keep_start": "their end was cut", "drop": "dropped"}[
                         config.truncation_mode])
     if not ids:
-        raise DataError(f"Dataset {spec!r} has no prompts left; lower `max_prompt_length` cuts or use another "
-                        "`truncation_mode`.")
+        raise DataError(f"Dataset {spec!r} has no prompts left: all {len(long)} are longer than max_prompt_length="
+                        f"{limit} (truncation_mode=drop); raise `max_prompt_length`, or set `truncation_mode "
+                        "keep_end` to cut their start instead.")
     return PromptSet(rows, ids)
 
 

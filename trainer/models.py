@@ -38,6 +38,9 @@ def resolve_model_path(spec: str) -> str:
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ModelError(f"{spec!r} has no config.json: it is not a Hugging Face model folder.")
         return str(path)
+    if path.is_file():
+        raise ModelError(f"Model path {spec!r} is a file, not a model folder: give the folder that holds its "
+                         "config.json (for a .gguf file, convert it first with `alignflow model import-gguf`).")
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelError(f"Model path {spec!r} does not exist. Build a test model with "
                          "`alignflow model init-tiny --out DIR`.")

@@ -73,7 +73,7 @@ def test_demo_config_validates(tmp_path, tiny_model):
     ({"datasets": {"sft": "/no/such/file.jsonl", "preferences": "demo:preferences", "prompts": "demo:math",
                    "eval": "demo:math_eval"}}, "`datasets.sft` = '/no/such/file.jsonl' does not exist"),
     ({"algorithm": "ppo"}, "`algorithm` must be one of grpo, dpo (lower case), got 'ppo'"),
-    ({"max_steps": -3}, "`max_steps` must be 0 (each stage's own value) or positive, got -3"),
+    ({"max_steps": -3}, "`max_steps` must be 0 (each stage's own value) or a finite positive number, got -3"),
     ({"num_generations": 1}, "`num_generations` must be 0 (the grpo section's value) or >= 2"),
     ({"grpo": {"loss_type": "ppo"}}, "invalid choice: 'ppo' (choose from 'grpo', 'bnpo', 'dr_grpo', 'dapo')"),
 ])
