@@ -271,7 +271,8 @@ def tiny_sft(model: str, out: Path | str, **overrides) -> str:
 
 
 class HubStandIn:
-    """The three Hub endpoints `create_repo` + `upload_folder` call, on 127.0.0.1 (a thread of this process).
+    """The Hub endpoints `create_repo` + `upload_folder` call (create, validate-yaml, preupload, commit),
+    on 127.0.0.1 (a thread of this process).
 
     Every file is answered as a "regular" upload (content base64 in the commit, no LFS/Xet), so a
     commit carries the bytes themselves: `repos[repo_id][path]` holds what was pushed. `auth` records
@@ -288,6 +289,7 @@ class HubStandIn:
         self.created: list[dict] = []
         self.auth: list[str | None] = []
         self.unknown: list[str] = []
+        self.validated: list[str] = []  # README.md contents sent to /api/validate-yaml
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
@@ -311,6 +313,17 @@ class HubStandIn:
                     repo_id = f"{req.get('organization') or 'token-owner'}/{req['name']}"
                     hub.repos.setdefault(repo_id, {})
                     return self._answer(200, {"url": f"{hub.url}/{repo_id}"})
+                if path == "/api/validate-yaml":  # upload_folder checks a README's front matter first
+                    import yaml
+
+                    content = json.loads(body)["content"]
+                    hub.validated.append(content)
+                    try:
+                        meta = yaml.safe_load(content.split("---\n")[1]) if content.startswith("---\n") else {}
+                    except yaml.YAMLError as err:
+                        return self._answer(400, {"errors": [{"message": str(err)}]})
+                    ok = isinstance(meta, dict)
+                    return self._answer(200 if ok else 400, {"errors": [] if ok else [{"message": "not a mapping"}]})
                 parts = path.split("/")  # ['', 'api', 'models', owner, name, 'preupload'|'commit', revision]
                 if len(parts) == 7 and parts[:3] == ["", "api", "models"] and parts[5] in ("preupload", "commit"):
                     repo_id = f"{parts[3]}/{parts[4]}"
