@@ -93,10 +93,10 @@ def local_model(spec: str, workdir: str, tracking_uri: str | None = None) -> str
     """A local folder (or hub id) for a path, s3:// prefix or `models:/` registry URI; a complete checkpoint."""
     from trainer.models import resolve_model_path
 
-    if spec.startswith("models:/"):
+    if spec.startswith("models:/"):  # a registered version: its checkpoint files, without the completion marker
         from trainer.registry import download_model
 
-        spec = download_model(spec, workdir, tracking_uri)
+        return download_model(spec, workdir, tracking_uri)
     return resolve_model_path(spec)
 
 
@@ -140,8 +140,10 @@ def open_session(args: argparse.Namespace, workdir: str) -> ChatSession:
         tokenizer.save_pretrained(path)
     max_len = context_length(model.config if model is not None else AutoConfig.from_pretrained(path), tokenizer,
                              args.max_model_len)
-    if args.engine == "vllm":
+    if args.engine == "vllm":  # read when vllm is imported, which make_engine does
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM-CPU takes a share of all RAM
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the replies only
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     engine = make_engine(args.engine, model=model if args.engine == "hf" else None, tokenizer=tokenizer,
                          model_path=path, max_model_len=max_len, dtype=args.dtype, seed=seed,
