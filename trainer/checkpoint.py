@@ -6,6 +6,7 @@ Layout of one checkpoint folder::
     merged/                 optional merged copy of a LoRA model
     alignflow.json          manifest: stage, base model, data fingerprints, config, metrics, versions
     metrics.jsonl           one JSON object per logged step
+    README.md               model card from the manifest (final models; trainer/hub.py)
     training_state/         optimizer.pt, scheduler.pt, rng.json, state.json (step checkpoints only)
     alignflow.complete      written last: every file's relative path, size and sha256; a folder
                             without it is ignored by every reader
