@@ -67,8 +67,8 @@ def train_command(manifest: dict[str, Any]) -> str:
         defaults = {}
     parts = ["alignflow", "train", stage]
     for name, value in config.items():
-        if name in _NOT_IN_COMMAND or value is None or (name in defaults and defaults[name] == value):
-            continue
+        if name in _NOT_IN_COMMAND or value is None or value == [] or (name in defaults and defaults[name] == value):
+            continue  # (an empty list has no flag form; YAML overrides skip it the same way)
         values = value if isinstance(value, list) else [value]
         parts += [f"--{name}", *[str(v).lower() if isinstance(v, bool) else str(v) for v in values]]
     return shlex.join(parts)

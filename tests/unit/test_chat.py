@@ -139,3 +139,41 @@ def test_help_lists_every_option(capsys):
         for flag in action.option_strings:
             assert flag in out
     assert "/reset" in out and "models:/" in out
+
+
+def test_repl_on_a_terminal(trained, capsys):
+    """On a TTY (a pseudo-terminal here): a banner, `you>` prompts, `model>` replies, /reset, /exit."""
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT
+
+    expected = run_chat(capsys, trained, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "8")
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "chat", trained, "--temperature", "0",
+                             "--max_new_tokens", "8"], stdin=slave, stdout=slave, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    os.close(slave)
+    os.write(master, f"{QUESTION}\n/reset\n/exit\n".encode())  # the terminal holds them until read
+    out, deadline = b"", time.monotonic() + 120
+    try:
+        while select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        if proc.poll() is None:  # it hung: fail below, leave nothing running
+            proc.kill()
+        proc.wait()
+        os.close(master)
+    text = out.decode(errors="replace").replace("\r\n", "\n")
+    assert proc.returncode == 0, text
+    assert "Chatting through the chat template." in text
+    assert f"model> {expected}\n" in text and "(conversation cleared)" in text and text.count("you> ") == 3
