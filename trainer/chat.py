@@ -185,7 +185,9 @@ def repl(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alignflow chat", description=HELP, allow_abbrev=False,
+    from trainer.cli import FlagParser  # --max_new_tokens or --max-new-tokens, as every alignflow command
+
+    parser = FlagParser(prog="alignflow chat", description=HELP, allow_abbrev=False,
                                      epilog=f"In the REPL: {COMMANDS} Without a terminal, each input line is one "
                                             "user turn and each reply is printed on one line.")
     parser.add_argument("model", help="A model folder, an s3:// prefix, a LoRA adapter folder, an MLflow registry "

@@ -117,6 +117,7 @@ def test_lora_adapter_folder_chats_on_its_base(tiny_model, tmp_path, capsys):
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--top_p", "0"], "--top_p must be in (0, 1]"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+    (["--max-new-tokens", "0"], "--max_new_tokens must be >= 1"),  # dashes, as on every alignflow command
 ])
 def test_bad_flags_fail_before_loading(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
