@@ -19,6 +19,7 @@ the same replies (per engine), and `/reset` starts the count again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     with tempfile.TemporaryDirectory(prefix="alignflow-chat-") as workdir:
         try:
-            session = open_session(args, workdir)
+            with contextlib.redirect_stdout(sys.stderr):  # what libraries print while loading is not a reply
+                session = open_session(args, workdir)
             with session.engine:
                 if args.prompt is not None:
                     print(session.reply(args.prompt), file=stdout, flush=True)
