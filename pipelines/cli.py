@@ -5,6 +5,7 @@
     alignflow pipeline run --local --config FILE.yaml [--output DIR] [--pipeline-root DIR|s3://...] [--retries N]
     alignflow pipeline submit --host URL --config FILE.yaml [--namespace NS] [--token-file F] [--run-name N] [--wait]
     alignflow pipeline schedule --host URL --config FILE.yaml --cron "0 0 3 * * *" [--namespace NS] [--token-file F]
+    alignflow chat MODEL [--prompt TEXT] [--engine hf|vllm] [...]   (trainer.chat)
     alignflow {train,model,eval,promote} ...   (trainer.cli)
 
 This entry point sits above both layers (pipelines -> components -> trainer), so the training
@@ -126,11 +127,17 @@ def _submit(target, config, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, groups = trainer_cli.make_parser()
     groups.add_parser("pipeline", help=PIPELINE_HELP, add_help=False)
+    groups.add_parser("chat", help="Chat with a model: a REPL, or one reply with --prompt.", add_help=False)
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.group == "pipeline":
         trainer_cli.setup_logging()
         command = next((a for a in rest if not a.startswith("-")), "")  # the subcommand, for the error line
         return trainer_cli.guarded(f"alignflow pipeline {command}".strip(), pipeline, rest)
+    if args.group == "chat":
+        from trainer import chat
+
+        trainer_cli.setup_logging()
+        return trainer_cli.guarded("alignflow chat", chat.main, rest)
     return trainer_cli.run_group(args, rest)
 
 
