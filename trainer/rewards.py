@@ -258,6 +258,9 @@ def load_reward_function(spec: str, device: str = "cpu", label: str | None = Non
     if sep and name in PARAMETRISED_REWARDS:
         return PARAMETRISED_REWARDS[name](arg)
     if sep and not spec.startswith("s3:") and "/" not in name:
+        from trainer.reward_specs import check_reward_spec  # (imports this module)
+
+        check_reward_spec(spec)  # ALIGNFLOW_ALLOWED_REWARD_MODULES, before the module's code runs
         module_name, _, attr = spec.partition(":")
         try:
             module = importlib.import_module(module_name)
