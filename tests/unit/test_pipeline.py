@@ -80,8 +80,8 @@ def test_demo_config_validates(tmp_path, tiny_model, algorithm):
     ({"grpo": {"loss_type": "ppo"}}, "invalid choice: 'ppo' (choose from 'grpo', 'bnpo', 'dr_grpo', 'dapo')"),
     ({"algorithm": "ppo", "ppo": {"batch_size": 6, "mini_batch_size": 4, "per_device_batch_size": 4}},
      "In the `ppo` section of the pipeline config: batch_size (6) must be a multiple of mini_batch_size (4)"),
-    ({"ppo": {"num_generations": 4}}, "In the `ppo` section of the pipeline config: Unknown ppo option "
-                                      "`num_generations`"),
+    ({"ppo": {"cliprang": 0.1}}, "In the `ppo` section of the pipeline config: Unknown ppo option `cliprang` "
+                                 "(in the stage config). Did you mean `cliprange`?"),
     ({"ppo": {"reward_model_weight": "high"}}, "In the `ppo` section of the pipeline config: `reward_model_weight` "
                                                "must be a number"),
     ({"ppo": {"nodes": 0}}, "In the `ppo` section of the pipeline config: `nodes` must be a whole number >= 1"),
