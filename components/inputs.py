@@ -18,8 +18,12 @@ from trainer import storage
 from trainer.config import ConfigError
 
 # One `dsl.If` branch each in pipelines/post_training.py (a test holds the two together).
-ALGORITHMS = ("grpo", "dpo")
-TRAINING_STAGES = ("sft", "reward", "dpo", "grpo")
+ALGORITHMS = ("grpo", "dpo", "ppo")
+TRAINING_STAGES = ("sft", "reward", "dpo", "grpo", "ppo")
+# The online-RL stages: the trained reward model (the reward-model task's output) joins their reward
+# functions, weighted by their section's `reward_model_weight`, a key of the pipeline, not of the stage.
+RL_STAGES = ("grpo", "ppo")
+REWARD_MODEL_WEIGHT = "reward_model_weight"
 # The typed top-level knobs of the pipeline and the stages each reaches. 0 leaves a stage its own
 # value; a key in the stage's config dict overrides the knob.
 KNOBS = {
@@ -34,6 +38,7 @@ TASK_INPUTS = {
     "reward": ("base_model_uri", "preference_data_uri"),
     "dpo": ("preference_data_uri",),
     "grpo": ("prompts_uri",),
+    "ppo": ("prompts_uri",),
 }
 _PLACEHOLDERS = {"model": "placeholder", "dataset": "placeholder", "output_dir": "placeholder"}
 
@@ -42,6 +47,17 @@ def with_knobs(stage: str, config: dict[str, Any], knobs: dict[str, Any]) -> dic
     """The stage's config dict with the top-level knobs it takes, where the dict leaves them out."""
     filled = {name: value for name, value in knobs.items() if value and stage in KNOBS[name] and name not in config}
     return {**filled, **config}
+
+
+def split_reward_model_weight(stage: str, config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(the weight of the trained reward model among an RL stage's rewards, the section without the key)."""
+    weight = config.get(REWARD_MODEL_WEIGHT, 1.0)
+    if stage not in RL_STAGES:
+        return weight, config
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise ConfigError(f"`{REWARD_MODEL_WEIGHT}` must be a number (the reward model's weight among "
+                          f"`reward_weights`), got {weight!r}.")
+    return float(weight), {k: v for k, v in config.items() if k != REWARD_MODEL_WEIGHT}
 
 
 def check_knobs(knobs: dict[str, Any]) -> None:
@@ -73,7 +89,8 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
         config_cls, _ = stage_parts(stage)
         try:
             # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
-            multi, values = split_config(with_knobs(stage, stage_configs.get(stage) or {}, knobs))
+            _, section = split_reward_model_weight(stage, stage_configs.get(stage) or {})
+            multi, values = split_config(with_knobs(stage, section, knobs))
             config = config_from_dict(config_cls, {**values, **_PLACEHOLDERS})
             multi.check(stage, config)
             # Import paths resolve (and are allowed) before any task runs, not when GRPO starts.
