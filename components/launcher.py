@@ -115,11 +115,13 @@ def checkpoint_uri(output_path: str) -> str:
 
 def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: str, model_out, metrics_out,
                 report_out, knobs: dict[str, Any] | None = None, inputs_fingerprint: str = "",
-                extra: dict[str, Any] | None = None) -> None:
+                reward_model: str | None = None) -> None:
     """Run one training stage from a component: config from the pipeline's structured parameter (over
     the top-level `knobs`), model/dataset/output from the artifacts. With `nodes` > 1 in the config the
     stage runs as a TrainJob/PyTorchJob on that many nodes (components/trainjob.py) and this task waits
-    for it. `inputs_fingerprint` (the data's, for the cache key) is tagged on the stage's MLflow run."""
+    for it. `inputs_fingerprint` (the data's, for the cache key) is tagged on the stage's MLflow run.
+    `reward_model` (GRPO, PPO): the reward-model task's output, which joins the reward functions unless
+    that task was skipped."""
     from components import inputs, trainjob
     from trainer import launch
     from trainer.config import config_from_dict
@@ -127,8 +129,11 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
 
     _setup()
     config_cls, run = stage_parts(stage)
+    rm_weight, config = inputs.split_reward_model_weight(stage, config)
     multi, config = trainjob.split_config(inputs.with_knobs(stage, config, knobs or {}))
-    values = {**PIPELINE_DEFAULTS, **config, **(extra or {}), "model": model_in, "dataset": dataset}
+    if reward_model and not is_skipped(reward_model):
+        config = with_reward_model(config_cls, config, reward_model, rm_weight)
+    values = {**PIPELINE_DEFAULTS, **config, "model": model_in, "dataset": dataset}
     if parent := parent_run_id():
         values["mlflow_parent_run_id"] = parent
     if inputs_fingerprint:
@@ -168,6 +173,16 @@ def training_report(stage: str, model_dir: str) -> report.Report:
     return report.Report(stage, (stage_parts(stage)[0].__doc__ or "").strip().splitlines()[0], manifest["metrics"],
                          ckpt.read_history(model_dir), manifest.get("samples") or [], mlflow_run_id=run_id,
                          mlflow_url=mlflow_run_url(run_id))
+
+
+def with_reward_model(config_cls, config: dict[str, Any], reward_model: str, weight: float) -> dict[str, Any]:
+    """An RL stage's config with the trained reward model after its reward functions (the section's
+    `reward_funcs`, else the stage's default); with `reward_weights`, `weight` is the model's."""
+    funcs = config.get("reward_funcs") or config_cls.__dataclass_fields__["reward_funcs"].default_factory()
+    config = {**config, "reward_funcs": [*funcs, reward_model]}
+    if config.get("reward_weights"):
+        config["reward_weights"] = [*config["reward_weights"], weight]
+    return config
 
 
 def run_ranks(stage: str, config) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import distributed, storage
+from trainer import distributed, hub, storage
 from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed, step_batches
 from trainer.storage import is_remote
 
@@ -82,6 +82,7 @@ class StageRunner:
         self.runtime = distributed.describe(self.accelerator)
         if self.is_main:
             storage.check_writable(config.output_dir)  # before any data or model is loaded
+            hub.check_push(config)  # push_to_hub without a token fails now, not after training
         set_seed(config.seed)
         self.started = time.perf_counter()
         self.state = ckpt.TrainState()
@@ -316,7 +317,7 @@ class StageRunner:
                                               optimizer=self._checkpoint_optimizer, scheduler=self.scheduler,
                                               **common)
                 else:
-                    ckpt.save_checkpoint(config.output_dir, **common)
+                    ckpt.save_checkpoint(config.output_dir, card=hub.model_card(common["manifest"]), **common)
         self.accelerator.wait_for_everyone()
         self._saved_at = time.monotonic()
 
@@ -325,6 +326,8 @@ class StageRunner:
         self.progress.close()
         self.last_metrics["train_runtime"] = time.perf_counter() - self.started
         self.save("final")
+        if self.config.push_to_hub and self.is_main:
+            hub.push_to_hub(self.config.output_dir, hub.repo_name(self.config), self.config.hub_private_repo)
         tracker = self.tracker
         tracker.log_dict(self.manifest(), ckpt.MANIFEST)
         if self.config.mlflow_log_checkpoint and self.is_main and not is_remote(self.config.output_dir):
