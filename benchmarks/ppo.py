@@ -45,8 +45,12 @@ its rollout log-probs from generate's scores, so it runs reference + critic forw
 PPO epochs: forwards, backwards, optimizer steps; TRL's also holds its end-of-step metric
 reductions); `sync` (weights to the rollout engine); `other` (what the phases leave of the step:
 batching, KL rewards, GAE, whitening, logging). alignflow reports its own `timing/*` metrics; TRL's
-phases are timed around its module-level `batch_generation`, `forward` and `get_reward` calls.
-Peak RSS is the child's whole life (models, optimizer, vLLM's KV cache included).
+phases are timed around its module-level `batch_generation`, `forward` and `get_reward` calls;
+its two `gc.collect()` calls per step are timed too (`gc_s` in the JSON; they stay in "other").
+CPU s/step is the process's CPU time per step (all threads): steadier than wall time when other
+work shares the machine. Peak RSS is the child's whole life (models, optimizer, vLLM's KV cache).
+The result JSON adds `trl_env`, the package versions of the TRL venv (`environment.versions` is
+this Python's).
 """
 
 from __future__ import annotations
