@@ -1,7 +1,7 @@
 """PPO step time by phase and peak memory: alignflow PPO against TRL's `PPOTrainer` and alignflow GRPO.
 
     bash benchmarks/trl_ppo_env.sh        # once: TRL 1.12.0 in its own venv, /work/venvs/trl-ppo
-    flock /tmp/alignflow-bench.lock python benchmarks/ppo.py --models tiny,smollm2 --json benchmarks/results/ppo.json
+    flock /tmp/alignflow-bench.lock python benchmarks/ppo.py --json ppo.json   # both models, ~18 min on a busy box
 
 For each model, in one run, these trainers do the same amount of RL work per step, each in its
 own process (peak RSS is that process's own):
@@ -337,14 +337,14 @@ def summarise(medians: list[dict], models: list[str], trainers: list[str]) -> tu
 
 def add_flags(parser) -> None:
     common.add_run_flags(parser, "gsm8k/train.jsonl", trainers=TRAINERS, default_trainers=DEFAULT_TRAINERS,
-                         warmup=1, steps="PPO steps per run (rollout + all its epochs; default 4).", timeout=1200)
-    parser.set_defaults(steps=4, repeats=1)
-    parser.add_argument("--batch-size", type=int, default=8, help="Rollouts per PPO (and GRPO) step.")
+                         warmup=1, steps="PPO steps per run (rollout + all its epochs; default 3).", timeout=1200)
+    parser.set_defaults(steps=3, repeats=1)
+    parser.add_argument("--batch-size", type=int, default=4, help="Rollouts per PPO (and GRPO) step.")
     parser.add_argument("--mini-batch-size", type=int, default=4,
                         help="Rollouts per forward/backward and optimizer step.")
-    parser.add_argument("--ppo-epochs", type=int, default=2, help="PPO passes over each step's rollouts.")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="PPO passes over each step's rollouts.")
     parser.add_argument("--generations", type=int, default=4, help="GRPO's G (batch-size / G prompts per step).")
-    parser.add_argument("--new-tokens", type=int, default=48, help="Tokens generated per completion (all of them).")
+    parser.add_argument("--new-tokens", type=int, default=32, help="Tokens generated per completion (all of them).")
     parser.add_argument("--learning-rate", type=float, default=3e-6, help="Constant learning rate.")
     parser.add_argument("--max-prompt-length", type=int, default=512, help="alignflow's prompt limit (none cut here).")
     parser.add_argument("--trl-python", type=Path, default=TRL_PYTHON,
