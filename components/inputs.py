@@ -4,19 +4,26 @@ stage configs, and the input fingerprints that make cache keys follow the data.
 A run started from the KFP UI never passes through `alignflow pipeline submit`'s checks, so the
 pipeline checks its own parameters in its first task (`stages.check_inputs`): a wrong value fails
 in seconds, naming the field and the allowed values, before any GPU is requested. The CLI runs the
-same checks before it submits.
+same checks before it submits (`alignflow pipeline validate` runs them alone). They include each
+`reward_funcs` import path, resolved without running it (`trainer.reward_specs`), so a misspelt
+reward function fails here and not after SFT and the reward model have trained.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trainer import storage
 from trainer.config import ConfigError
 
 # One `dsl.If` branch each in pipelines/post_training.py (a test holds the two together).
-ALGORITHMS = ("grpo", "dpo")
-TRAINING_STAGES = ("sft", "reward", "dpo", "grpo")
+ALGORITHMS = ("grpo", "dpo", "ppo")
+TRAINING_STAGES = ("sft", "reward", "dpo", "grpo", "ppo")
+# The online-RL stages: the trained reward model (the reward-model task's output) joins their reward
+# functions, weighted by their section's `reward_model_weight`, a key of the pipeline, not of the stage.
+RL_STAGES = ("grpo", "ppo")
+REWARD_MODEL_WEIGHT = "reward_model_weight"
 # The typed top-level knobs of the pipeline and the stages each reaches. 0 leaves a stage its own
 # value; a key in the stage's config dict overrides the knob.
 KNOBS = {
@@ -31,6 +38,7 @@ TASK_INPUTS = {
     "reward": ("base_model_uri", "preference_data_uri"),
     "dpo": ("preference_data_uri",),
     "grpo": ("prompts_uri",),
+    "ppo": ("prompts_uri",),
 }
 _PLACEHOLDERS = {"model": "placeholder", "dataset": "placeholder", "output_dir": "placeholder"}
 
@@ -41,12 +49,23 @@ def with_knobs(stage: str, config: dict[str, Any], knobs: dict[str, Any]) -> dic
     return {**filled, **config}
 
 
+def split_reward_model_weight(stage: str, config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(the weight of the trained reward model among an RL stage's rewards, the section without the key)."""
+    weight = config.get(REWARD_MODEL_WEIGHT, 1.0)
+    if stage not in RL_STAGES:
+        return weight, config
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise ConfigError(f"`{REWARD_MODEL_WEIGHT}` must be a number (the reward model's weight among "
+                          f"`reward_weights`), got {weight!r}.")
+    return float(weight), {k: v for k, v in config.items() if k != REWARD_MODEL_WEIGHT}
+
+
 def check_knobs(knobs: dict[str, Any]) -> None:
     for name, value in knobs.items():
         if name not in KNOBS:
             raise ConfigError(f"Unknown pipeline knob `{name}`; the knobs are {', '.join(KNOBS)}.")
-        if value < 0:
-            raise ConfigError(f"`{name}` must be 0 (each stage's own value) or positive, got {value}.")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"`{name}` must be 0 (each stage's own value) or a finite positive number, got {value}.")
     if knobs.get("num_generations") == 1:
         raise ConfigError("`num_generations` must be 0 (the grpo section's value) or >= 2: GRPO compares "
                           "completions within a group.")
@@ -58,6 +77,7 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
     from components.trainjob import split_config
     from trainer.config import config_from_dict
     from trainer.evaluate import EvalConfig
+    from trainer.reward_specs import check_reward_specs
     from trainer.stages import stage_parts
 
     if algorithm not in ALGORITHMS:
@@ -69,12 +89,16 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
         config_cls, _ = stage_parts(stage)
         try:
             # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
-            multi, values = split_config(with_knobs(stage, stage_configs.get(stage) or {}, knobs))
-            multi.check(stage, config_from_dict(config_cls, {**values, **_PLACEHOLDERS}))
+            _, section = split_reward_model_weight(stage, stage_configs.get(stage) or {})
+            multi, values = split_config(with_knobs(stage, section, knobs))
+            config = config_from_dict(config_cls, {**values, **_PLACEHOLDERS})
+            multi.check(stage, config)
+            # Import paths resolve (and are allowed) before any task runs, not when GRPO starts.
+            check_reward_specs(getattr(config, "reward_funcs", []))
         except ConfigError as err:
             raise ConfigError(f"In the `{stage}` section of the pipeline config: {err}") from None
     try:
-        config_from_dict(EvalConfig, {**eval_config, **_PLACEHOLDERS})
+        check_reward_specs(config_from_dict(EvalConfig, {**eval_config, **_PLACEHOLDERS}).reward_funcs)
     except ConfigError as err:
         raise ConfigError(f"In the `evaluate` section of the pipeline config: {err}") from None
 

@@ -1,7 +1,8 @@
 """Kubernetes settings that components need at run time as well as at compile time.
 
-The Secrets that hold S3 and MLflow credentials and the default task resources. The pipeline
-applies them to every task (`pipelines/kubernetes.py`); the multi-node launcher
+The Secrets that hold S3 and MLflow credentials, the label that lets a pod through the chart's
+MLflow NetworkPolicy, the security context of training pods, and the default task resources. The
+pipeline applies them to every task (`pipelines/kubernetes.py`); the multi-node launcher
 (`components/trainjob.py`) gives the pods of a TrainJob the same ones. They live here, the
 lowest layer that needs them, so that no component imports the pipeline layer.
 """
@@ -19,6 +20,23 @@ SECRET_ENV = {
     MLFLOW_SECRET: {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
                     "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"},
 }
+
+
+# Pods with this label may reach MLflow (and SeaweedFS) through the chart's NetworkPolicy
+# (charts/alignflow: networkPolicy.clientLabel must name the same key).
+MLFLOW_CLIENT_LABEL = ("alignflow.io/mlflow-client", "true")
+
+# The trainer image's user (images/trainer/Dockerfile: USER 10001:10001; the chart's runAsUser).
+RUN_AS_USER = 10001
+# The Pod Security Standards "restricted" profile for training pods. Not readOnlyRootFilesystem:
+# stages write caches (HF, torch extensions) and the stage config under the image's home and /tmp.
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_USER,
+    "runAsGroup": RUN_AS_USER,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 # The pipeline run's id in every task's environment, without a task input (an input that changes

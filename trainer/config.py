@@ -16,6 +16,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -145,6 +146,14 @@ class TrainConfig:
     mlflow_tags: list[str] = option([], "Extra run tags as KEY=VALUE.")
     mlflow_log_checkpoint: bool = option(False, "Upload the final checkpoint folder as MLflow artifacts.")
 
+    # --- Hugging Face Hub (TRL's names) ---------------------------------------------------------
+    push_to_hub: bool = option(False, "After the final save, upload the final model folder (with its model card "
+                                      "README.md) to the Hugging Face Hub; needs a token (HF_TOKEN or `hf auth "
+                                      "login`), checked before training. HF_ENDPOINT selects another Hub.")
+    hub_model_id: str | None = option(None, "Hub repo to push to, `owner/name` or `name` (the token owner's "
+                                            "namespace); default: the name of `output_dir`.")
+    hub_private_repo: bool = option(False, "Create the Hub repo as private (when it does not exist yet).")
+
     stage = "base"  # class attribute, not a field
 
     def __post_init__(self) -> None:
@@ -192,6 +201,9 @@ class TrainConfig:
         if self.deepspeed and self.deepspeed not in DEEPSPEED_PRESETS and not os.path.isfile(self.deepspeed):
             raise ConfigError(f"`deepspeed` is {self.deepspeed!r}: give one of {', '.join(DEEPSPEED_PRESETS)} or the "
                               "path of a DeepSpeed JSON file.")
+        if self.hub_model_id and not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", self.hub_model_id):
+            raise ConfigError(f"`hub_model_id` is {self.hub_model_id!r}; give `owner/name` or `name` (letters, digits, "
+                              "`-`, `_`, `.`).")
         for tag in self.mlflow_tags:
             if "=" not in tag:
                 raise ConfigError(f"`mlflow_tags` entries look like KEY=VALUE; got {tag!r}.")

@@ -12,6 +12,7 @@ column or row, and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -69,12 +70,17 @@ def load_rows(spec: str, split: str = "train", name: str | None = None) -> datas
         if builder is None:
             raise DataError(f"Cannot read {spec!r}: unsupported file type. Use .jsonl, .json, .parquet or .csv "
                             "(optionally .gz), or a `datasets.save_to_disk` folder.")
+        if builder in ("json", "csv"):
+            check_utf8(path, spec)  # Arrow loads bad bytes silently and fails at the first row read
         try:
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+            with _builders_quiet():
+                ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:  # the builders raise many different types for malformed files
             if _has_no_rows(path, builder):  # they also fail (cryptically) on files with no rows
                 raise DataError(f"Dataset {spec!r} is empty: the file holds no rows.") from err
-            raise DataError(f"Could not parse {spec!r} as {builder}: {err}") from err
+            where = _first_bad_json(path) if builder == "json" else None
+            detail = where or " ".join(str(err).split())[:300]
+            raise DataError(f"Could not parse {spec!r} as {builder}: {detail}") from err
     elif path.is_dir():
         ds = _load_dir(path, split)
     elif spec.startswith((".", "/", "~")) or spec.count("/") > 1 or _builder_for(path):
@@ -88,6 +94,66 @@ def load_rows(spec: str, split: str = "train", name: str | None = None) -> datas
     if len(ds) == 0:
         raise DataError(f"Dataset {spec!r} is empty: it has columns {ds.column_names} but no rows.")
     return ds
+
+
+@contextlib.contextmanager
+def _builders_quiet():
+    """Silence the builders' own error log while they parse: a failure is reported once, by `load_rows`,
+    with the line it happened on (the json builder logs the parser's message, then raises)."""
+    builders = logging.getLogger("datasets.packaged_modules")
+    level = builders.level
+    builders.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        builders.setLevel(level)
+
+
+def check_utf8(path: Path, spec: str) -> None:
+    """Raise a DataError naming the line of the first bytes of a text data file that are not UTF-8."""
+    import codecs
+
+    import fsspec
+
+    decoder, lines = codecs.getincrementaldecoder("utf-8")(), 0
+    with fsspec.open(str(path), "rb", compression="infer") as fh:
+        while True:
+            chunk = fh.read(1 << 24)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                line = lines + chunk.count(b"\n", 0, err.start) + 1
+                raise DataError(f"Dataset {spec!r}: line {line} is not UTF-8 text ({err.reason}: "
+                                f"{err.object[err.start:err.end]!r}). Re-encode the file as UTF-8, e.g. "
+                                "`iconv -f latin1 -t utf-8 IN > OUT`.") from None
+            if not chunk:
+                return
+            lines += chunk.count(b"\n")
+
+
+def _first_bad_json(path: Path) -> str | None:
+    """Where a JSON / JSON-lines file goes wrong: the line, the parser's reason and the line's start."""
+    import fsspec
+
+    with fsspec.open(str(path), "rt", compression="infer", encoding="utf-8") as fh:
+        text = fh.read()
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"line {err.lineno}, column {err.colno}: {err.msg}. Fix that line, or write one JSON object per line."
+        return None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            return (f"line {number} is not valid JSON ({err.msg} at column {err.colno}: {line[:60]!r}). "
+                    "Each line must be one JSON object, e.g. {\"text\": \"...\"}.")
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object; each line must be one JSON object."
+    return None
 
 
 def _has_no_rows(path: Path, builder: str) -> bool:
@@ -129,8 +195,11 @@ def _load_dir(path: Path, split: str) -> datasets.Dataset:
     if len(builders) > 1:
         raise DataError(f"Folder {str(path)!r} mixes file types {sorted(builders)}; keep one type per dataset.")
     builder = builders.pop()
+    for file in files if builder in ("json", "csv") else []:
+        check_utf8(file, str(file))
     try:
-        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        with _builders_quiet():
+            return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
     except Exception as err:
         if all(_has_no_rows(p, builder) for p in files):
             raise DataError(f"Dataset {str(path)!r} is empty: its files hold no rows.") from err
@@ -315,11 +384,23 @@ def report_lengths(name: str, total: int, max_length: int, mode: str, truncated:
         log.warning("%s: dropped %d of %d rows longer than max_length=%d (truncation_mode=drop).",
                     name, dropped_long, total, max_length)
     if dropped_no_loss:
-        log.warning("%s: dropped %d rows with no trainable tokens left (completion cut off by max_length=%d?).",
-                    name, dropped_no_loss, max_length)
+        log.warning("%s: dropped %d rows with no trainable tokens left (%s).", name, dropped_no_loss,
+                    f"prompt at least max_length={max_length} tokens long" if mode == "keep_start" else
+                    "an empty completion")
     if kept == 0:
         raise DataError(f"Dataset {name!r}: no rows left after applying max_length={max_length} "
-                        f"(truncation_mode={mode}); raise `max_length` or use truncation_mode=keep_start.")
+                        f"(truncation_mode={mode}); {_no_rows_fix(mode, dropped_long, dropped_no_loss)}")
+
+
+def _no_rows_fix(mode: str, dropped_long: int, dropped_no_loss: int) -> str:
+    """What to change when every row was dropped, by the reason they were (the fixes differ)."""
+    if dropped_long:  # truncation_mode=drop dropped every row for its length
+        return "raise `max_length`, or set `truncation_mode keep_end` (or keep_start) to cut long rows, not drop them."
+    if dropped_no_loss and mode == "keep_start":  # the prompt filled max_length: no completion token was kept
+        return ("every prompt fills max_length, so no completion token is left to train on: raise `max_length`, "
+                "set `truncation_mode keep_end` (cuts the prompt's start, keeps the completion), or set "
+                "`completion_only_loss false`.")
+    return "every row has an empty completion (nothing to train on): check the `completion` / assistant column."
 
 
 # ----------------------------------------------------------------------------------------------

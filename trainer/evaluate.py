@@ -42,7 +42,7 @@ from typing import Any, Literal
 import torch
 
 from trainer import storage
-from trainer.completions import batched_logps, build_batch, prompt_token_ids
+from trainer.completions import batched_logps, build_batch, completions_table, prompt_token_ids
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, is_conversational, load_rows
 from trainer.losses import combine_rewards
@@ -81,6 +81,11 @@ class EvalConfig:
                                          "length:<N>), import paths `pkg.module:fn` with TRL's signature, or reward-model "
                                          "checkpoints. `reward` is their weighted sum (none: no `reward` metric).")
     reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
+    reward_label: str | None = option(None, "For reward models (in `reward_funcs`, or the `reward_model` judge) that "
+                                            "are classifiers with several labels: the label whose score counts, a "
+                                            "name from the model's config.id2label (e.g. POSITIVE).")
+    reward_label_score: Literal["logit", "probability"] = option(
+        "logit", "What `reward_label` scores: its logit, or its softmax probability over the model's labels.")
     reward_model: str | None = option(None, "Reward-model checkpoint used as the judge: gives `rm_score`, and `win_rate` "
                                             "when `baseline_model` is set.")
     baseline_model: str | None = option(None, "Model to compare against (the current champion): a folder, an s3:// "
@@ -252,7 +257,8 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
     if ACCURACY_FUNC in config.reward_funcs and "answer" not in rows.column_names:
         raise DataError(f"Reward function `{ACCURACY_FUNC}` reads an `answer` column, and dataset {config.dataset!r} "
                         f"has only {sorted(rows.column_names)}.")
-    funcs = [load_reward_function(spec, device=str(_device())) for spec in config.reward_funcs]
+    funcs = [load_reward_function(spec, device=str(_device()), label=config.reward_label,
+                                  label_score=config.reward_label_score) for spec in config.reward_funcs]
     names = [reward_name(f) for f in funcs]
     weights = torch.tensor(config.reward_weights or [1.0] * len(funcs))
     has_answer = "answer" in rows.column_names
@@ -305,7 +311,8 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
         rm_scores = baseline_scores = wins = None
         if judge_path:
             judge = RewardModelScorer(judge_path, batch_size=config.batch_size, dtype=config.dtype,
-                                      trust_remote_code=config.trust_remote_code)
+                                      trust_remote_code=config.trust_remote_code, label=config.reward_label,
+                                      label_score=config.reward_label_score)
             rm_scores = judge(prompts, shaped)
             metrics["rm_score"] = _nanmean(rm_scores)
             if baseline_shaped is not None:
@@ -353,11 +360,4 @@ def write_outputs(output_dir: str, metrics: dict[str, float], samples: list[dict
 
 def samples_table(samples: list[dict[str, Any]]) -> dict[str, list]:
     """samples.jsonl as MLflow table columns: nested rewards become `rewards/<fn>` columns, chat becomes text."""
-    flat = []
-    for s in samples:
-        row = {k: v for k, v in s.items() if k != "rewards"}
-        row.update({f"rewards/{n}": v for n, v in (s.get("rewards") or {}).items()})
-        flat.append({k: v if isinstance(v, str | int | float | bool | type(None)) else json.dumps(v, default=str)
-                     for k, v in row.items()})
-    keys = list(dict.fromkeys(k for row in flat for k in row))
-    return {k: [row.get(k) for row in flat] for k in keys}
+    return completions_table(samples)

@@ -47,6 +47,7 @@ from trainer.completions import (
     batched_logps,
     build_batch,
     prompt_token_ids,
+    sample_rows,
     token_logps,
     use_block_attention,
 )
@@ -86,8 +87,14 @@ class GRPOConfig(TrainConfig):
     logging_steps: int = option(1, "Log metrics every this many steps.")
     reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
                                      "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
-                                     "signature, or reward-model checkpoints.")
+                                     "signature, or reward models: checkpoint folders, s3:// URIs or hub ids "
+                                     "(org/name, from the local HF cache or downloaded).")
     reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
+    reward_label: str | None = option(None, "For reward models that are classifiers with several labels (e.g. a "
+                                            "sentiment model): the label whose score is the reward, a name from the "
+                                            "model's config.id2label (e.g. POSITIVE). One-label reward models ignore it.")
+    reward_label_score: Literal["logit", "probability"] = option(
+        "logit", "What `reward_label` scores: its logit, or its softmax probability over the model's labels.")
     num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
     max_prompt_length: int = option(512, "Longest prompt in tokens (see `truncation_mode`).")
     max_completion_length: int = option(256, "Most tokens generated per completion.")
@@ -195,8 +202,9 @@ def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig, rows=None
                     {"keep_end": "their start was cut", "keep_start": "their end was cut", "drop": "dropped"}[
                         config.truncation_mode])
     if not ids:
-        raise DataError(f"Dataset {spec!r} has no prompts left; lower `max_prompt_length` cuts or use another "
-                        "`truncation_mode`.")
+        raise DataError(f"Dataset {spec!r} has no prompts left: all {len(long)} are longer than max_prompt_length="
+                        f"{limit} (truncation_mode=drop); raise `max_prompt_length`, or set `truncation_mode "
+                        "keep_end` to cut their start instead.")
     return PromptSet(rows, ids)
 
 
@@ -224,7 +232,8 @@ def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet 
     data = load_prompts(dataset_label(config), config.dataset_split, tokenizer, config, rows=train_rows(config))
     eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
                  if config.eval_dataset else None)
-    funcs = [load_reward_function(spec) for spec in config.reward_funcs]
+    funcs = [load_reward_function(spec, label=config.reward_label, label_score=config.reward_label_score)
+             for spec in config.reward_funcs]
     rewards = RewardSet(funcs, [reward_name(f) for f in funcs],
                         torch.tensor(config.reward_weights or [1.0] * len(funcs)))
     check_ranks(config, world, len(data.token_ids))
@@ -352,11 +361,10 @@ def cycle_metrics(run: StageRunner, traj: Trajectory, names: list[str]) -> dict[
     }
 
 
-def log_completions(run: StageRunner, traj: Trajectory, step: int) -> None:
-    k = min(run.config.num_completions_to_log, len(traj.texts))
-    run.tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in traj.prompts[:k]],
-                           "completion": traj.texts[:k], "reward": traj.rewards[:k].tolist()},
-                          f"completions/step_{step:06d}.json")
+def log_completions(run: StageRunner, traj: Trajectory, names: list[str], step: int) -> None:
+    rows = sample_rows(step, traj.prompts, traj.texts, names, traj.per_func, traj.rewards, traj.advantages,
+                       limit=run.config.num_completions_to_log)
+    run.log_completions(rows, f"completions/step_{step:06d}.json")
 
 
 def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer,
@@ -466,7 +474,7 @@ def run_grpo(config: GRPOConfig) -> str:
                            "step_time": time.perf_counter() - started}
                 run.log_step(step, metrics, span=config.num_iterations, rank_means=True, evaluate=evaluate_now)
                 if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
-                    log_completions(run, traj, step)
+                    log_completions(run, traj, rewards.names, step)
                 run.maybe_save(step, span=config.num_iterations)
 
             # 4. Final evaluation and the model.

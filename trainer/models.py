@@ -38,6 +38,9 @@ def resolve_model_path(spec: str) -> str:
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ModelError(f"{spec!r} has no config.json: it is not a Hugging Face model folder.")
         return str(path)
+    if path.is_file():
+        raise ModelError(f"Model path {spec!r} is a file, not a model folder: give the folder that holds its "
+                         "config.json (for a .gguf file, convert it first with `alignflow model import-gguf`).")
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelError(f"Model path {spec!r} does not exist. Build a test model with "
                          "`alignflow model init-tiny --out DIR`.")
@@ -121,16 +124,18 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def load_reward_model(path: str, pad_token_id: int, dtype: str = "float32", trust_remote_code: bool = False,
-                      gradient_checkpointing: bool = False, trainable_adapter: bool = False):
+                      gradient_checkpointing: bool = False, trainable_adapter: bool = False, num_labels: int = 1):
     """A model with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): a causal LM or
     an encoder (a fresh head) or a reward checkpoint; a PEFT adapter folder is loaded on top of its base.
+    `num_labels` > 1 loads a classifier with that many labels as it is (its head must have as many rows;
+    with 1, a checkpoint with a wider head fails with a size mismatch).
 
     Causal LMs score a sequence at its last non-pad token, found through `config.pad_token_id`,
     so it is set to the tokenizer's pad id here (checkpoints saved afterwards carry it).
     """
     from transformers import AutoModelForSequenceClassification
 
-    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "num_labels": 1}
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "num_labels": num_labels}
     if _is_adapter(path):
         from peft import PeftConfig, PeftModel
 

@@ -17,8 +17,11 @@ al. 2016 for GAE, Ziegler et al. 2019 for the per-token KL reward and the adapti
 rollouts, prompts, reward functions and weight sync are GRPO's (`trainer/grpo.py`). The value head
 is a scalar linear map on the policy's last hidden state at the positions that predict completion
 tokens (TRL's `AutoModelForCausalLMWithValueHead`): V_t is the value of the state before token t.
-It is zero-initialised, so that the first advantages are the rewards-to-go. The reference is the
-starting policy: a frozen copy, or with LoRA the model with its adapter disabled.
+It is zero-initialised, so that the first advantages are the rewards-to-go. With `critic:
+reward_model` a separate critic network gives V_t instead: a reward model (sequence classifier)
+whose score head reads every token's hidden state (TRL PPOv2's `value_model`, OpenRLHF's critic),
+trained by the same optimizer and saved as `critic/`. The reference is the starting policy: a
+frozen copy, or with LoRA the model with its adapter disabled.
 
 Departures from TRL's `PPOTrainer`: `max_steps` counts optimizer steps (each PPO step takes
 `ppo_epochs × batch_size / mini_batch_size` of them); a completion that ends without EOS keeps its
@@ -34,13 +37,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer.completions import RolloutBatch, batched_logps, build_batch
+from trainer.completions import RolloutBatch, batched_logps, build_batch, sample_rows
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import describe_datasets
 from trainer.grpo import (
@@ -67,16 +71,22 @@ from trainer.losses import (
     value_stats,
 )
 from trainer.models import (
+    ModelError,
     apply_lora,
     count_parameters,
     load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
     model_and_tokenizer,
+    resolve_model_path,
 )
+from trainer.rewards import RewardModelScorer, classifier_labels, label_index
 from trainer.runner import StageRunner
 
 log = logging.getLogger(__name__)
 
 VALUE_HEAD = "value_head"  # saved as value_head.safetensors in every checkpoint
+CRITIC = "critic"  # critic=reward_model: saved as a model folder critic/ in every checkpoint
 
 
 def _as_in_grpo(name: str, **overrides):
@@ -117,8 +127,20 @@ class PPOConfig(TrainConfig):
     missing_eos_penalty: float | None = option(None, "Subtract this from the score of completions that end without "
                                                      "EOS (hit max_completion_length); TRL's `missing_eos_penalty`.")
 
+    critic: Literal["value_head", "reward_model"] = option(
+        "value_head", "The value function V_t. value_head: a zero-initialised scalar head on the policy's last hidden "
+                      "state (TRL's AutoModelForCausalLMWithValueHead; policy and values share the network). "
+                      "reward_model: a separate critic network initialised from a reward model, whose score head "
+                      "reads every token's hidden state (TRL PPOv2's value_model, OpenRLHF's critic_pretrain); it "
+                      "trains with the same optimizer and is saved as `critic/` next to the model.")
+    critic_model: str | None = option(None, "With critic=reward_model: the checkpoint (folder, s3:// or hub id) of "
+                                            "the critic's starting point; default: the one reward model in "
+                                            "`reward_funcs`. A causal-LM sequence classifier with the policy's "
+                                            "tokenizer.")
     reward_funcs: list[str] = _as_in_grpo("reward_funcs")
     reward_weights: list[float] = _as_in_grpo("reward_weights")
+    reward_label: str | None = _as_in_grpo("reward_label")
+    reward_label_score: Literal["logit", "probability"] = _as_in_grpo("reward_label_score")
     max_prompt_length: int = _as_in_grpo("max_prompt_length")
     max_completion_length: int = _as_in_grpo("max_completion_length", aliases=("response_length",))
     temperature: float = _as_in_grpo("temperature")
@@ -151,6 +173,9 @@ class PPOConfig(TrainConfig):
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"`reward_weights` has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} `reward_funcs`; give one weight per function.")
+        if self.critic_model and self.critic != "reward_model":
+            raise ConfigError(f"`critic_model` ({self.critic_model!r}) is used with critic=reward_model only; set "
+                              "`critic: reward_model` or drop `critic_model`.")
         if self.adap_kl_ctrl and self.target_kl <= 0:
             raise ConfigError(f"`target_kl` must be > 0 with adap_kl_ctrl, got {self.target_kl}.")
         if self.max_prompt_length + self.max_completion_length > self.max_length:
@@ -172,17 +197,32 @@ class PPOConfig(TrainConfig):
 
 
 class PolicyWithValue(torch.nn.Module):
-    """The causal LM and its value head as one module (what `accelerate.prepare` wraps): the forward
-    returns the logits at the target positions and V at the same positions, [n_targets]."""
+    """The causal LM and its value function as one module (what `accelerate.prepare` wraps, so that DDP and
+    DeepSpeed see both): the forward returns the logits at the target positions and V at the same
+    positions, [n_targets]. `value` is a linear value head on the policy's hidden states, or a separate
+    critic (a sequence-classification model, `critic=reward_model`) run over the same tokens."""
 
-    def __init__(self, lm: torch.nn.Module, value_head: torch.nn.Linear) -> None:
+    def __init__(self, lm: torch.nn.Module, value: torch.nn.Module) -> None:
         super().__init__()
-        self.lm, self.value_head = lm, value_head
+        self.lm, self.value = lm, value
         self.config = lm.config  # accelerate sizes DeepSpeed's "auto" buckets from it
 
     def forward(self, input_ids, target_mask, attention_mask, position_ids):
-        out = target_logits(self.lm, input_ids, target_mask, attention_mask, position_ids, with_hidden=True)
-        return out, self.value_head(out.hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        if isinstance(self.value, torch.nn.Linear):
+            out = target_logits(self.lm, input_ids, target_mask, attention_mask, position_ids, with_hidden=True)
+            return out, self.value(out.hidden.to(self.value.weight.dtype)).squeeze(-1)
+        out = target_logits(self.lm, input_ids, target_mask, attention_mask, position_ids)
+        return out, critic_values(self.value, input_ids, attention_mask, position_ids, out.rows, out.cols - 1)
+
+
+def critic_values(critic, input_ids, attention_mask, position_ids, rows, cols) -> torch.Tensor:
+    """V of a critic network (a sequence classifier with one label) at the token positions (rows, cols), [n]:
+    its score head applied to each of those positions' last hidden states (TRL PPOv2 and OpenRLHF read a
+    reward model's head per token the same way), rather than only at the last token."""
+    backbone = getattr(critic, critic.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state[rows, cols]  # [n, H]
+    return critic.score(hidden.to(critic.score.weight.dtype)).squeeze(-1)
 
 
 def make_value_head(model, dtype: torch.dtype) -> torch.nn.Linear:
@@ -321,40 +361,93 @@ def rollout_metrics(traj: PPOTrajectory, rewards: RewardSet) -> dict[str, float]
     }
 
 
-def log_completions(run: StageRunner, traj: PPOTrajectory, step: int) -> None:
-    k = min(run.config.num_completions_to_log, len(traj.texts))
-    run.tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in traj.prompts[:k]],
-                           "completion": traj.texts[:k], "score": traj.scores[:k].tolist()},
-                          f"completions/step_{step:06d}.json")
+def log_completions(run: StageRunner, traj: PPOTrajectory, names: list[str], step: int) -> None:
+    # PPO's advantages are per token: the table shows each completion's mean over its tokens.
+    mean_advantage = (traj.advantages * traj.mask).sum(-1) / traj.mask.sum(-1).clamp(min=1)  # [N]
+    rows = sample_rows(step, traj.prompts, traj.texts, names, traj.per_func, traj.scores, mean_advantage,
+                       reward_column="score", limit=run.config.num_completions_to_log)
+    run.log_completions(rows, f"completions/step_{step:06d}.json")
 
 
 # ----------------------------------------------------------------------------------------------
 # The stage
 
 
-def load_models(run: StageRunner, config: PPOConfig, model_path: str):
-    """The policy (from the checkpoint when resuming), its value head (restored exactly) and the
-    reference (None with LoRA, whose reference is the adapter-disabled policy)."""
+def load_models(run: StageRunner, config: PPOConfig, model_path: str, tokenizer, rewards: RewardSet):
+    """The policy (from the checkpoint when resuming), its value function (a value head or a critic
+    network, restored exactly) and the reference (None with LoRA, whose reference is the
+    adapter-disabled policy)."""
     resume = run.resume
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
-    head = make_value_head(model, next(model.parameters()).dtype)
-    if resume:
-        ckpt.load_head(resume, VALUE_HEAD, head)
+    if config.critic == "reward_model":
+        value = load_critic(config, tokenizer, critic_source(config, rewards), resume)
+    else:
+        value = make_value_head(model, next(model.parameters()).dtype)
+        if resume:
+            ckpt.load_head(resume, VALUE_HEAD, value)
     ref_model = None
     if not config.lora_r:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
     model.train()
     trainable, total = count_parameters(model)
-    log.info("Model %s: %.2fM parameters, %.2fM trainable, plus a value head.", config.model, total / 1e6,
-             trainable / 1e6)
-    return model, head, ref_model
+    log.info("Model %s: %.2fM parameters, %.2fM trainable, plus %s.", config.model, total / 1e6, trainable / 1e6,
+             "a value head" if config.critic == "value_head" else
+             f"a critic of {count_parameters(value)[1] / 1e6:.2f}M parameters")
+    return model, value, ref_model
+
+
+def critic_source(config: PPOConfig, rewards: RewardSet) -> str:
+    """Where the critic starts: `critic_model`, else the one reward model among `reward_funcs`."""
+    if config.critic_model:
+        return config.critic_model
+    models = [f.path for f in rewards.funcs if isinstance(f, RewardModelScorer)]
+    if len(models) != 1:
+        raise ConfigError(f"critic=reward_model starts the critic from a reward model, but `reward_funcs` has "
+                          f"{len(models)} ({models}); set `critic_model` to the checkpoint to start from.")
+    return models[0]
+
+
+def load_critic(config: PPOConfig, tokenizer, source: str, resume: str | None) -> torch.nn.Module:
+    """The critic network: the reward model at `source` (on resume, the checkpoint's `critic/` folder).
+
+    Its score head becomes the per-token value head as it is (not a fresh head): V starts as the reward
+    model's score of each prefix, the initialisation of TRL PPOv2 and OpenRLHF. A classifier with several
+    labels keeps the row of `reward_label`. The critic reads the policy's token ids, so it must share the
+    policy's tokenizer, and be a causal LM (an encoder's value of token t would see the tokens after t).
+    """
+    path = str(Path(resume, CRITIC)) if resume else resolve_model_path(source)
+    if resume and not Path(path).is_dir():
+        raise ModelError(f"{resume!r} has no {CRITIC}/ folder: it was not written with critic=reward_model; resume "
+                         "with the critic it was trained with.")
+    labels = [] if resume else classifier_labels(path, config.trust_remote_code)
+    index = label_index(source, labels, config.reward_label)
+    if not resume and load_tokenizer(path, config.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        raise ModelError(f"Critic {source!r} has another tokenizer than the policy {config.model!r}; the critic "
+                         "reads the policy's tokens: use a reward model trained from the policy's family, or "
+                         "critic=value_head.")
+    critic = load_reward_model(path, tokenizer.pad_token_id, config.dtype, config.trust_remote_code,
+                               config.gradient_checkpointing, num_labels=max(1, len(labels)))
+    score = getattr(critic, "score", None)
+    if not isinstance(score, torch.nn.Linear) or not hasattr(critic, critic.base_model_prefix):
+        raise ModelError(f"Critic {source!r} is a {type(critic).__name__}, not a causal-LM sequence classifier with "
+                         "a `score` head; use a decoder reward model (e.g. from `alignflow train reward` on the "
+                         "policy's base model) or critic=value_head.")
+    if labels:  # keep the chosen label's row: a one-label critic
+        head = torch.nn.Linear(score.in_features, 1, bias=score.bias is not None, dtype=score.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(score.weight[index:index + 1])
+            if score.bias is not None:
+                head.bias.copy_(score.bias[index:index + 1])
+        critic.score = head
+        critic.config.num_labels = 1
+    return critic.train()
 
 
 def run_ppo(config: PPOConfig) -> str:
-    """Train with PPO; returns `config.output_dir` (holding the final model and its value head)."""
+    """Train with PPO; returns `config.output_dir` (holding the final model and its value head or critic/)."""
     run = StageRunner("ppo", config)
     keep_freed_memory()
 
@@ -369,12 +462,13 @@ def run_ppo(config: PPOConfig) -> str:
              rewards.names)
 
     run.resume_checkpoint()
-    model, head, ref_model = load_models(run, config, model_path)
+    model, head, ref_model = load_models(run, config, model_path, tokenizer, rewards)
     run.tokenizer = tokenizer
     run.report = distributed.RankReport(run.accelerator)
     with run.failing():
         run.prepare(model, steps, describe_datasets(config, data.rows, eval_data.rows if eval_data else None, {}),
-                    wrap=lambda lm: PolicyWithValue(lm, head), heads={VALUE_HEAD: head})
+                    wrap=lambda lm: PolicyWithValue(lm, head),
+                    heads={VALUE_HEAD if config.critic == "value_head" else CRITIC: head})
         if ref_model is not None:
             ref_model = distributed.prepare_reference(run.accelerator, TargetLM(ref_model))
         kl_ctl = (AdaptiveKLController(config.init_kl_coef, config.target_kl, config.horizon) if config.adap_kl_ctrl
@@ -400,12 +494,12 @@ def run_ppo(config: PPOConfig) -> str:
                            "step_time": time.perf_counter() - started}
                 run.log_step(step, metrics, span=per, rank_means=True, evaluate=evaluate_now)
                 if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
-                    log_completions(run, traj, step)
+                    log_completions(run, traj, rewards.names, step)
                 run.maybe_save(step, span=per)
 
             run.final_evaluation(evaluate_now)
             with run.gathered():
-                run.report.write(torch.nn.ModuleList([model, head]))  # ranks compare policy and value head
+                run.report.write(torch.nn.ModuleList([model, head]))  # ranks compare policy and value function
             return run.finish()
         finally:
             engine.close()

@@ -5,10 +5,13 @@ Three kinds, loaded by `load_reward_function(spec)`:
   `length:<N>`;
 - any user function given as an import path `pkg.module:function`;
 - `RewardModelScorer`, a reward-model checkpoint (the output of `alignflow train reward`, or any
-  sequence-classification model with one label). It builds each text exactly as the RM stage
-  did in training (`trainer.preferences.reward_texts`: prompt + completion, eos rule included; chat
-  rendered with the RM's own chat template), so a checkpoint scores GRPO completions the way it
-  learned to score preference pairs.
+  sequence-classification model) given as a folder, an s3:// prefix or a hub id (read through the
+  local Hugging Face cache, so `HF_HUB_OFFLINE=1` works for models already there). It builds each
+  text exactly as the RM stage did in training (`trainer.preferences.reward_texts`: prompt +
+  completion, eos rule included; chat rendered with the RM's own chat template), so a checkpoint
+  scores GRPO completions the way it learned to score preference pairs. A classifier with several
+  labels (e.g. a sentiment model) scores with one named label (`reward_label`): its logit, or its
+  softmax probability.
 
 `score_completions` runs them all on a batch and names the function and sample when one misbehaves.
 """
@@ -25,12 +28,14 @@ import torch
 
 from trainer import storage
 from trainer.checkpoint import MANIFEST
+from trainer.config import ConfigError
 from trainer.data import is_conversational, render_chat
-from trainer.models import load_reward_model, load_tokenizer, resolve_model_path
+from trainer.models import ModelError, load_reward_model, load_tokenizer, resolve_model_path
 from trainer.preferences import reward_texts
-from trainer.reward import pad_right, sequence_rewards
+from trainer.reward import pad_right
 
 DEFAULT_MAX_LENGTH = 1024
+LABEL_SCORES = ("logit", "probability")
 
 
 def _as_messages(value: Any, role: str) -> list[dict]:
@@ -53,6 +58,32 @@ def _trained_max_length(folder: str) -> int | None:
     return json.loads(manifest.read_text()).get("config", {}).get("max_length")
 
 
+def classifier_labels(path: str, trust_remote_code: bool = False) -> list[str]:
+    """The label names of a sequence-classification checkpoint with more than one label, in index
+    order; [] for a one-label reward model, a LoRA adapter, or a model that is no classifier yet (a
+    causal LM or encoder whose config only carries transformers' default two labels)."""
+    from transformers import AutoConfig
+
+    if Path(path, "adapter_config.json").exists():
+        return []  # alignflow's LoRA reward models have one label
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
+    if not classifier or config.num_labels < 2:
+        return []
+    return [config.id2label[i] for i in range(config.num_labels)]
+
+
+def label_index(path: str, labels: list[str], label: str | None) -> int:
+    """Index of `label` among a classifier's `labels` (0 for a one-label model); a one-line error
+    listing the labels when the name is missing or unknown."""
+    if not labels:
+        return 0
+    if label in labels:
+        return labels.index(label)
+    problem = "does not have the label " + repr(label) if label else f"has {len(labels)} labels"
+    raise ModelError(f"Reward model {path!r} {problem}; set `reward_label` to one of {labels}.")
+
+
 class RewardModelScorer:
     """A reward-model checkpoint as a reward function: `scorer(prompts, completions, **kwargs) -> list[float]`.
 
@@ -61,21 +92,41 @@ class RewardModelScorer:
     max_length: longest text in tokens; longer texts are cut on the tokenizer's `truncation_side` (alignflow
         RMs save the side they were trained with). Default: the RM's training `max_length`, else 1024.
     device: where the model runs; default CUDA when available, else CPU.
+    label: for a classifier with several labels, the label (a name from its `config.id2label`) whose
+        score is the reward, e.g. "POSITIVE" of a sentiment model; required there, ignored by one-label
+        reward models. Checked before the weights load.
+    label_score: "logit" (the label's raw logit) or "probability" (its softmax probability over all
+        labels); one-label models always give their logit.
 
     `__name__` is the checkpoint's folder name, which GRPO uses in metric names (`rewards/<name>/mean`),
     as TRL does for model reward functions.
     """
 
     def __init__(self, path: str, batch_size: int = 16, max_length: int | None = None, device: str | None = None,
-                 dtype: str = "float32", trust_remote_code: bool = False) -> None:
+                 dtype: str = "float32", trust_remote_code: bool = False, label: str | None = None,
+                 label_score: str = "logit") -> None:
+        if label_score not in LABEL_SCORES:
+            raise ValueError(f"`reward_label_score` must be one of {list(LABEL_SCORES)}, got {label_score!r}.")
         local = resolve_model_path(path)
+        self.path = local
+        self.labels = classifier_labels(local, trust_remote_code)
+        self.label_index = label_index(path, self.labels, label)
+        self.label_score = label_score if self.labels else "logit"
         self.tokenizer = load_tokenizer(local, trust_remote_code)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_reward_model(local, self.tokenizer.pad_token_id, dtype, trust_remote_code)
+        self.model = load_reward_model(local, self.tokenizer.pad_token_id, dtype, trust_remote_code,
+                                       num_labels=max(1, len(self.labels)))
         self.model.to(self.device).eval()
         self.batch_size = batch_size
         self.max_length = max_length or _trained_max_length(local) or DEFAULT_MAX_LENGTH
         self.__name__ = Path(path.rstrip("/")).name or "reward_model"
+
+    def rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The reward of each row: the chosen label's logit or probability. [N, T] -> [N] (float32)"""
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()  # [N, labels]
+        if self.label_score == "probability":
+            logits = logits.softmax(-1)
+        return logits[:, self.label_index]
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         """The text scored for each (prompt, completion): text pairs are joined; chat pairs are rendered
@@ -103,7 +154,7 @@ class RewardModelScorer:
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             input_ids, attention = pad_right([ids[i] for i in chunk], self.tokenizer.pad_token_id)
-            rewards = sequence_rewards(self.model, input_ids.to(self.device), attention.to(self.device))
+            rewards = self.rewards(input_ids.to(self.device), attention.to(self.device))
             for i, reward in zip(chunk, rewards.tolist()):
                 scores[i] = reward
         return scores
@@ -196,29 +247,51 @@ BUILTIN_REWARDS = {"exact_answer": exact_answer, "answer_format": answer_format}
 PARAMETRISED_REWARDS = {"regex": make_regex_reward, "length": make_length_reward}
 
 
-def load_reward_function(spec: str, device: str = "cpu"):
+def load_reward_function(spec: str, device: str = "cpu", label: str | None = None, label_score: str = "logit"):
     """A reward function from a built-in name (``exact_answer``, ``answer_format``, ``regex:<pattern>``,
-    ``length:<N>``), an import path ``pkg.module:function``, or a reward-model checkpoint folder / s3:// URI."""
+    ``length:<N>``), an import path ``pkg.module:function``, or a reward model: a checkpoint folder, an
+    s3:// URI or a hub id (``org/name``, from the local Hugging Face cache or downloaded when online).
+    `label` and `label_score` choose what a classifier with several labels scores (`RewardModelScorer`)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     name, sep, arg = spec.partition(":")
     if sep and name in PARAMETRISED_REWARDS:
         return PARAMETRISED_REWARDS[name](arg)
     if sep and not spec.startswith("s3:") and "/" not in name:
+        from trainer.reward_specs import check_reward_spec  # (imports this module)
+
+        check_reward_spec(spec)  # ALIGNFLOW_ALLOWED_REWARD_MODULES, before the module's code runs
         module_name, _, attr = spec.partition(":")
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            raise ValueError(f"Reward function {spec!r}: cannot import module {module_name!r} ({err}).") from err
+            raise ConfigError(f"Reward function {spec!r}: cannot import module {module_name!r} ({err}).") from err
         fn = getattr(module, attr, None)
         if not callable(fn):
-            raise ValueError(f"Reward function {spec!r}: {module_name!r} has no callable {attr!r}.")
+            raise ConfigError(f"Reward function {spec!r}: {module_name!r} has no callable {attr!r}.")
         return fn
-    if storage.is_remote(spec) or Path(spec).is_dir():
-        return RewardModelScorer(spec, device=device)
+    if storage.is_remote(spec) or Path(spec).is_dir() or hub_model_available(spec):
+        return RewardModelScorer(spec, device=device, label=label, label_score=label_score)
     known = ", ".join([*BUILTIN_REWARDS, "regex:<pattern>", "length:<N>"])
-    raise ValueError(f"Unknown reward function {spec!r}: use a built-in ({known}), an import path "
-                     "`pkg.module:function`, or a reward-model checkpoint folder.")
+    raise ConfigError(f"Unknown reward function {spec!r}: it is neither a function (a built-in: {known}; or an import "
+                     "path `pkg.module:function`), nor a file (a reward-model folder or s3:// URI), nor a hub model in "
+                     "the local Hugging Face cache or downloadable from the hub.")
+
+
+def hub_model_available(spec: str) -> bool:
+    """Whether `spec` names a hub model (``org/name``) whose config is in the local Hugging Face cache
+    (HF_HUB_CACHE / HF_HOME) or, unless HF_HUB_OFFLINE is set, downloadable; the same places that
+    `from_pretrained` reads a hub id from when `model` is one."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        return False
+    try:
+        hf_hub_download(spec, "config.json")
+    except (OSError, ValueError, HfHubHTTPError):  # not cached, offline, unknown repo, not a valid repo id
+        return False
+    return True
 
 
 def reward_name(fn) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import distributed, storage
+from trainer import distributed, hub, storage
 from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed, step_batches
 from trainer.storage import is_remote
 
@@ -77,10 +77,12 @@ class StageRunner:
         self.stage, self.config = stage, config
         self.accelerator = distributed.make_accelerator(config)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.samples: list[dict[str, Any]] = []  # the completions logged last (log_completions)
         self.is_main, self.device = self.accelerator.is_main_process, self.accelerator.device
         self.runtime = distributed.describe(self.accelerator)
         if self.is_main:
             storage.check_writable(config.output_dir)  # before any data or model is loaded
+            hub.check_push(config)  # push_to_hub without a token fails now, not after training
         set_seed(config.seed)
         self.started = time.perf_counter()
         self.state = ckpt.TrainState()
@@ -283,7 +285,19 @@ class StageRunner:
     def manifest(self) -> dict[str, Any]:
         manifest = ckpt.build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
                                        self.state.global_step)
-        return {**manifest, **self.runtime}
+        # The MLflow run and the last logged completions: the KFP task's report links and shows them.
+        tracker = self.__dict__.get("tracker")
+        extra = {"mlflow_run_id": (tracker and tracker.run_id) or self.state.mlflow_run_id, "samples": self.samples}
+        return {**manifest, **self.runtime, **{k: v for k, v in extra.items() if v}}
+
+    def log_completions(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Log sample completions (`trainer.completions.sample_rows`) as an MLflow table; the last
+        ones logged also go into the model's manifest (`samples`) for the pipeline's report."""
+        from trainer.completions import completions_table
+
+        if rows:
+            self.tracker.log_table(completions_table(rows), artifact_file)
+            self.samples = rows
 
     def save(self, kind: str) -> None:
         """A resumable step checkpoint (`kind="step"`) or the final model (`"final"`). Every rank
@@ -303,7 +317,7 @@ class StageRunner:
                                               optimizer=self._checkpoint_optimizer, scheduler=self.scheduler,
                                               **common)
                 else:
-                    ckpt.save_checkpoint(config.output_dir, **common)
+                    ckpt.save_checkpoint(config.output_dir, card=hub.model_card(common["manifest"]), **common)
         self.accelerator.wait_for_everyone()
         self._saved_at = time.monotonic()
 
@@ -312,6 +326,8 @@ class StageRunner:
         self.progress.close()
         self.last_metrics["train_runtime"] = time.perf_counter() - self.started
         self.save("final")
+        if self.config.push_to_hub and self.is_main:
+            hub.push_to_hub(self.config.output_dir, hub.repo_name(self.config), self.config.hub_private_repo)
         tracker = self.tracker
         tracker.log_dict(self.manifest(), ckpt.MANIFEST)
         if self.config.mlflow_log_checkpoint and self.is_main and not is_remote(self.config.output_dir):

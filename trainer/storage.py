@@ -202,8 +202,13 @@ def write_text(uri: str, text: str) -> None:
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
-        with fs.open(uri, "w") as fh:
-            fh.write(text)
+        try:
+            with fs.open(uri, "w") as fh:
+                fh.write(text)
+        except OSError as err:
+            if err.errno is None or err.filename:
+                raise
+            raise OSError(err.errno, err.strerror, uri) from err  # name the file (a full disk fails on close)
 
     retrying(uri, "write", write)
 

@@ -7,8 +7,8 @@ A TRL option is, for alignflow, one of:
 - a *translation*: a knob alignflow spells differently (`use_peft`, `use_vllm` + `vllm_mode`,
   `warmup_steps`, `eval_strategy`); `translate` turns it into alignflow fields.
 - *known but unsupported* (`KNOWN`): accepted and ignored when its value asks for what alignflow
-  does anyway (`push_to_hub: false`, `optim: adamw_torch`, `save_strategy: steps`), rejected with the
-  reason otherwise (`push_to_hub: true`, `use_liger_kernel: true`).
+  does anyway (`optim: adamw_torch`, `save_strategy: steps`), rejected with the reason otherwise
+  (`use_liger_kernel: true`).
 - any other TRL or `transformers.TrainingArguments` name: rejected as having no alignflow equivalent.
 
 docs/trl.md is the user-facing version of these tables; keep the two in step.
@@ -54,15 +54,19 @@ def any_value(reason: str) -> Known:
     return Known(reason, lambda v: True, "any")
 
 
-HUB = ("alignflow never pushes to the Hugging Face Hub: checkpoints go to `output_dir` (a folder or s3://) and the "
-       "MLflow registry (`alignflow promote`); upload a checkpoint folder with `huggingface-cli upload`")
+HUB = "alignflow pushes once, the final model after the final save, to the main branch (`push_to_hub`)"
 NO_WORKERS = "alignflow tokenizes the data once, up front, in the training process; there are no loader workers"
 EVAL_DATA = "held-out data come from `eval_dataset` or an `eval_split_ratio` hold-out"
 
 KNOWN: dict[str, Known] = {
     # --- Hub, trackers, logging ---------------------------------------------------------------
-    **{name: unset(HUB) for name in ("push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
-                                     "hub_always_push", "hub_revision", "log_completions_hub_repo")},
+    # push_to_hub, hub_model_id and hub_private_repo are fields (trainer/hub.py).
+    "hub_strategy": only(("end",), HUB),
+    "hub_always_push": unset(HUB),
+    "hub_revision": unset(HUB),
+    "hub_token": unset("give the token in HF_TOKEN (or `hf auth login`): tokens stay out of configs, manifests and "
+                       "MLflow params"),
+    "log_completions_hub_repo": unset("completions tables go to MLflow (`log_completions_steps`)"),
     "logging_strategy": only(("steps",), "metrics are logged every `logging_steps` steps"),
     "logging_first_step": any_value("the first step is always logged"),
     "logging_dir": any_value("metrics go to `metrics.jsonl` in each checkpoint and to MLflow"),

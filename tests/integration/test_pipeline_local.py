@@ -1,6 +1,6 @@
 """The whole post-training DAG with kfp.local: outputs mirrored to a real SeaweedFS bucket, every
-stage in a real MLflow server, the winner registered as @champion; a failing gate leaves the
-champion alone; rollback restores the previous champion. A killed SFT task is retried and resumes
+stage in a real MLflow server, the winner registered as @champion (GRPO, then PPO); a failing gate
+(DPO) leaves the champion alone; rollback restores the previous champion. A killed SFT task is retried and resumes
 from its checkpoint in the bucket; a bad parameter fails the first task."""
 
 import json
@@ -27,6 +27,9 @@ FAST = {
     "grpo": {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2], "num_generations": 4,
              "max_completion_length": 16, "max_prompt_length": 64, "learning_rate": 1e-4, "max_steps": 3},
     "dpo": {"max_steps": 3, "per_device_batch_size": 8, "max_length": 128},
+    "ppo": {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2], "reward_model_weight": 0.5,
+            "batch_size": 4, "mini_batch_size": 4, "per_device_batch_size": 4, "ppo_epochs": 1,
+            "max_completion_length": 16, "max_prompt_length": 64, "learning_rate": 1e-4, "max_steps": 2},
     "evaluate": {"reward_funcs": ["exact_answer", "answer_format"], "max_completion_length": 16,
                  "max_prompt_length": 64, "max_samples": 12},
     "datasets": {"sft": "demo:math_sft", "preferences": "demo:preferences", "prompts": "demo:math",
@@ -81,16 +84,28 @@ def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, ml
     (answer,) = champion.predict({"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 8})
     assert isinstance(answer["choices"][0]["message"]["content"], str) and answer["usage"]["completion_tokens"] >= 1
 
-    # An impossible gate: the candidate is evaluated but nothing is registered and the champion stays.
-    second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, min_improvement=1e6)
+    # A PPO run that always passes takes over: the version its promote task registered is the PPO model,
+    # trained in that pipeline run on the rule rewards and the reward-model task's output.
+    second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, algorithm="ppo", min_improvement=-1e6)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert client.get_registered_model("pipeline-test").aliases == {"champion": "1"}
-    assert len(client.search_model_versions("name='pipeline-test'")) == 1
+    assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
+    promote_run = client.get_run(client.get_model_version("pipeline-test", "2").run_id)
+    stages = {r.data.tags.get("alignflow.stage"): r for r in client.search_runs(
+        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{promote_run.data.tags['mlflow.parentRunId']}'")}
+    assert {"ppo", "promote"} <= set(stages) and not {"grpo", "dpo"} & set(stages), sorted(stages)
+    ppo_metrics = stages["ppo"].data.metrics
+    assert "objective/kl" in ppo_metrics and "ppo/val/var_explained" in ppo_metrics, sorted(ppo_metrics)
+    assert {k for k in ppo_metrics if k.startswith("rewards/") and k.endswith("/mean")} == {
+        "rewards/exact_answer/mean", "rewards/answer_format/mean", "rewards/model/mean"}, sorted(ppo_metrics)
+    objects = storage.filesystem(root).find(root)
+    assert any(o.endswith("ppo/model/alignflow.complete") for o in objects)
 
-    # A DPO run that always passes takes over; rollback gives the crown back.
-    third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, algorithm="dpo", min_improvement=-1e6)
+    # An impossible gate: the DPO candidate is evaluated but nothing is registered and the champion stays;
+    # rollback gives the crown back.
+    third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, algorithm="dpo", min_improvement=1e6)
     assert third.returncode == 0, third.stderr[-3000:]
     assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
+    assert len(client.search_model_versions("name='pipeline-test'")) == 2
     rollback = subprocess.run([sys.executable, "-m", "trainer.cli", "promote", "--rollback", "pipeline-test"],
                               env=env, capture_output=True, text=True, timeout=120)
     assert rollback.returncode == 0, rollback.stderr[-2000:]
@@ -207,7 +222,7 @@ def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp
     seconds = time.monotonic() - started
     log = _plain(result.stdout + result.stderr)
     assert result.returncode != 0
-    assert "`algorithm` must be one of grpo, dpo (lower case), got 'GRPO'." in log
+    assert "`algorithm` must be one of grpo, dpo, ppo (lower case), got 'GRPO'." in log
     executed = re.findall(r"Executing task '([\w-]+)'", log)
     assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
     assert "Task 'check-inputs' finished with status FAILURE" in log

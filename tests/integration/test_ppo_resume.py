@@ -1,5 +1,5 @@
-"""A PPO run killed with SIGKILL resumes from its last complete checkpoint (policy, value head, optimizer,
-KL coefficient) and ends where an uninterrupted run ends."""
+"""A PPO run killed with SIGKILL resumes from its last complete checkpoint (policy, value head or critic
+network, optimizer, KL coefficient) and ends where an uninterrupted run ends."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, kill_after_checkpoint, prompts_file
+from tests.helpers import ROOT, classifier_checkpoint, kill_after_checkpoint, prompts_file
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
@@ -34,23 +34,29 @@ def env() -> dict[str, str]:
     return e
 
 
-def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path):
+@pytest.mark.parametrize("critic", ["value_head", "reward_model"])
+def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path, critic):
     dataset = prompts_file(tmp_path / "prompts.jsonl", n=64)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(ppo_command(tiny_model, dataset, straight), check=True, env=env(), capture_output=True, cwd=ROOT)
+    extra, value = [], "value_head.safetensors"
+    if critic == "reward_model":
+        extra = ["--critic", critic, "--critic_model", classifier_checkpoint(tiny_model, tmp_path / "rm", scale=5)]
+        value = "critic/model.safetensors"
+    subprocess.run(ppo_command(tiny_model, dataset, straight, *extra), check=True, env=env(), capture_output=True,
+                   cwd=ROOT)
 
     # Save every PPO step; kill the process as soon as step 10 is complete, while it trains on.
-    kill_after_checkpoint(ppo_command(tiny_model, dataset, killed, "--save_steps", "2"), killed / "checkpoint-10", 300,
-                          env())
+    kill_after_checkpoint(ppo_command(tiny_model, dataset, killed, "--save_steps", "2", *extra),
+                          killed / "checkpoint-10", 300, env())
     done = [s for s, _ in ckpt.list_checkpoints(str(killed))]
     assert 10 in done and max(done) < STEPS, f"killed too late: complete checkpoints {done}"
     assert not ckpt.is_complete(str(killed)), "the final model must not look complete after a kill"
 
-    subprocess.run(ppo_command(tiny_model, dataset, killed, "--save_steps", "2", "--resume_from_checkpoint", "auto"),
-                   check=True, env=env(), capture_output=True, cwd=ROOT)
+    subprocess.run(ppo_command(tiny_model, dataset, killed, "--save_steps", "2", "--resume_from_checkpoint", "auto",
+                               *extra), check=True, env=env(), capture_output=True, cwd=ROOT)
     assert ckpt.is_complete(str(killed))
     start = load_file(Path(tiny_model) / "model.safetensors")
-    for name in ("model.safetensors", "value_head.safetensors"):
+    for name in ("model.safetensors", value):
         a, b = load_file(straight / name), load_file(killed / name)
         assert a.keys() == b.keys()
         for k in a:

@@ -2,6 +2,7 @@
 (strict) for several value sets; the upload Job ships the compiled pipeline; the schedule comes
 from values. Offline: helm-python-sdk bundles Helm's Go SDK, kubernetes-validate its schemas."""
 
+import base64
 import json
 import re
 import runpy
@@ -30,6 +31,14 @@ VALUE_SETS = {
         "secrets": {**SECRETS, "s3": {**SECRETS["s3"], "endpointUrl": "https://s3.example.com"}},
         "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "x", "operator": "Exists"}]},
     "nothing-but-rbac": {"mlflow": {"enabled": False}, "kfp": {"upload": {"enabled": False}}},
+    "narrowed-network-existing-admin": {
+        "mlflow": {"auth": {"existingSecret": "alignflow-mlflow"}, "extraAllowedHosts": ["mlflow.example.com"]},
+        "networkPolicy": {
+            "allowKfpComponents": False, "allowNamespaces": ["team-a", "team-b"],
+            "extraIngressFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
+            "egress": {"objectStore": {"cidrs": ["52.216.0.0/15"], "namespaces": ["kubeflow"], "ports": [443, 9000]},
+                       "modelHub": {"cidrs": ["18.160.0.0/15"]}, "kubeApi": {"cidrs": ["10.0.0.1/32"]},
+                       "extraTo": [{"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"port": 3128}]}]}}},
 }
 
 
@@ -68,14 +77,16 @@ def test_pods_are_locked_down_and_request_resources(name):
 def test_components_are_selectable():
     default = render_chart({})
     assert [d["metadata"]["name"] for d in by_kind(default, "Deployment")] == ["rel-alignflow-mlflow"]
-    assert not by_kind(default, "Secret")
+    assert [d["metadata"]["name"] for d in by_kind(default, "Secret")] == ["rel-alignflow-mlflow-auth"]
     full = render_chart(VALUE_SETS["sqlite-seaweedfs-auth-schedule"])
     assert {d["metadata"]["name"] for d in by_kind(full, "Deployment")} == {
         "rel-alignflow-mlflow", "rel-alignflow-seaweedfs"}
-    assert {d["metadata"]["name"] for d in by_kind(full, "Secret")} == {"alignflow-s3", "alignflow-mlflow"}
+    assert {d["metadata"]["name"] for d in by_kind(full, "Secret")} == {
+        "alignflow-s3", "alignflow-mlflow", "rel-alignflow-mlflow-auth"}
     s3 = next(d for d in by_kind(full, "Secret") if d["metadata"]["name"] == "alignflow-s3")
     assert s3["stringData"]["AWS_ENDPOINT_URL"] == "http://rel-alignflow-seaweedfs:8333"
-    assert len(by_kind(full, "NetworkPolicy")) == 2
+    assert {d["metadata"]["name"] for d in by_kind(full, "NetworkPolicy")} == {
+        "rel-alignflow-mlflow", "rel-alignflow-seaweedfs", "rel-alignflow-egress", "rel-alignflow-egress-steps"}
     assert not by_kind(render_chart(VALUE_SETS["postgresql-external-s3"]), "NetworkPolicy")
 
 
@@ -88,7 +99,8 @@ def test_mlflow_backend_and_auth():
     sqlite = mlflow_container(render_chart({}))
     env = {e["name"]: e for e in sqlite["env"]}
     assert env["BACKEND_STORE_URI"]["value"] == "sqlite:////data/mlflow.db"
-    assert "--app-name basic-auth" not in sqlite["args"][0]
+    assert "--app-name basic-auth" in sqlite["args"][0]
+    assert "--app-name basic-auth" not in mlflow_container(render_chart({"mlflow": {"auth": {"enabled": False}}}))["args"][0]
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "alignflow-s3"
 
     pg = mlflow_container(render_chart(VALUE_SETS["postgresql-external-s3"]))
@@ -201,3 +213,155 @@ def test_every_value_is_documented():
         if not lines[i - 1].lstrip().startswith("#"):
             undocumented.append(m.group(2))
     assert not undocumented, undocumented
+
+
+# ----------------------------------------------------------------------------------------------
+# Security (issue 15): MLflow auth, allowed hosts, NetworkPolicies, tokens
+
+
+def secret_value(docs, name: str, key: str) -> str:
+    secret = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == name)
+    if key in secret.get("stringData", {}):
+        return secret["stringData"][key]
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def test_auth_is_on_by_default_with_a_generated_admin_password():
+    docs = render_chart({})
+    env = {e["name"]: e for e in mlflow_container(docs)["env"]}
+    ref = env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "rel-alignflow-mlflow-auth", "key": "MLFLOW_TRACKING_PASSWORD"}
+    password = secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_PASSWORD")
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    flask_key = secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_FLASK_SERVER_SECRET_KEY")
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", flask_key) and flask_key != password
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "rel-alignflow-mlflow-auth"
+    assert secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_USERNAME") == "admin"
+    # Random per install (no cluster to read it back from here; on upgrade `lookup` returns the old one).
+    assert secret_value(render_chart({}), "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_PASSWORD") != password
+    # The password reaches MLflow as MLFLOW_AUTH_ADMIN_PASSWORD, never written into the ini file.
+    script = mlflow_container(docs)["args"][0]
+    assert 'MLFLOW_AUTH_ADMIN_PASSWORD="${MLFLOW_TRACKING_PASSWORD}"' in script and "admin_password" not in script
+
+
+def test_the_pipeline_secret_gets_the_same_admin_credentials():
+    docs = render_chart({"secrets": {**SECRETS, "mlflow": {}}})
+    admin = secret_value(docs, "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_PASSWORD")
+    assert secret_value(docs, "alignflow-mlflow", "MLFLOW_TRACKING_PASSWORD") == admin
+    assert secret_value(docs, "alignflow-mlflow", "MLFLOW_TRACKING_USERNAME") == "admin"
+    given = render_chart({"mlflow": {"auth": {"adminPassword": "twelve-chars-or-more"}}})
+    assert secret_value(given, "rel-alignflow-mlflow-auth", "MLFLOW_TRACKING_PASSWORD") == "twelve-chars-or-more"
+
+
+def test_an_existing_admin_secret_replaces_the_generated_one():
+    docs = render_chart({"mlflow": {"auth": {"existingSecret": "alignflow-mlflow"}}})
+    (own,) = by_kind(docs, "Secret")
+    assert set(own["data"]) == {"MLFLOW_FLASK_SERVER_SECRET_KEY"}  # no admin of its own
+    env = {e["name"]: e for e in mlflow_container(docs)["env"]}
+    assert env["MLFLOW_TRACKING_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == "alignflow-mlflow"
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "rel-alignflow-mlflow-auth"
+
+
+def test_a_short_admin_password_is_refused_at_render():
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError, match="mlflow.auth.adminPassword"):
+        chart.render({"mlflow": {"auth": {"adminPassword": "short"}}}, name="rel", namespace="ml")
+
+
+def allowed_hosts(docs) -> list[str]:
+    return re.search(r'--allowed-hosts "([^"]+)"', mlflow_container(docs)["args"][0]).group(1).split(",")
+
+
+def test_allowed_hosts_are_the_service_names():
+    hosts = allowed_hosts(render_chart({"mlflow": {"extraAllowedHosts": ["mlflow.example.com"]}}))
+    assert "*" not in hosts and "'*'" not in hosts
+    for name in ("rel-alignflow-mlflow", "rel-alignflow-mlflow.ml", "rel-alignflow-mlflow.ml.svc",
+                 "rel-alignflow-mlflow.ml.svc.cluster.local"):
+        assert name in hosts and f"{name}:5000" in hosts
+    assert {"localhost:*", "127.0.0.1:*", "mlflow.example.com"} <= set(hosts)
+    assert all(h.endswith(":*") or "*" not in h for h in hosts)
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError, match="extraAllowedHosts"):
+        chart.render({"mlflow": {"extraAllowedHosts": ["*"]}}, name="rel", namespace="ml")
+
+
+def policy(docs, name: str) -> dict:
+    return next(d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"] == name)["spec"]
+
+
+def test_only_labelled_pods_reach_mlflow():
+    from components.kubernetes import MLFLOW_CLIENT_LABEL
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["networkPolicy"]["clientLabel"] == MLFLOW_CLIENT_LABEL[0] and MLFLOW_CLIENT_LABEL[1] == "true"
+    label, kfp = {MLFLOW_CLIENT_LABEL[0]: "true"}, {"pipelines.kubeflow.org/v2_component": "true"}
+    (rule,) = policy(render_chart({}), "rel-alignflow-mlflow")["ingress"]
+    assert rule["ports"] == [{"port": 5000, "protocol": "TCP"}]
+    for peer in rule["from"]:  # never a whole namespace, never every pod
+        assert peer["podSelector"]["matchLabels"] in (label, kfp), peer
+    assert {"podSelector": {"matchLabels": label}} in rule["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubeflow"}},
+            "podSelector": {"matchLabels": label}} in rule["from"]
+
+    extra = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    docs = render_chart({"networkPolicy": {"allowKfpComponents": False, "allowNamespaces": [],
+                                           "extraIngressFrom": [extra]}})
+    (rule,) = policy(docs, "rel-alignflow-mlflow")["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": label}}, extra]
+
+
+def test_egress_of_labelled_pods_is_limited():
+    docs = render_chart({"seaweedfs": {"enabled": True}})
+    pods = policy(docs, "rel-alignflow-egress")
+    assert pods["podSelector"] == {"matchLabels": {"alignflow.io/mlflow-client": "true"}}
+    assert pods["policyTypes"] == ["Egress"]
+    rules = pods["egress"]
+    assert rules[0] == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    for rule in rules[1:]:
+        assert rule.get("to"), rule  # no rule that opens every destination
+    ports = {p["port"] for rule in rules for p in rule.get("ports", [])}
+    assert {5000, 8333, 443} <= ports and 6443 not in ports  # the kube API is for pipeline steps only
+    outside = [rule for rule in rules if any("ipBlock" in peer for peer in rule.get("to", []))]
+    assert outside == [{"ports": [{"port": 443, "protocol": "TCP"}], "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]
+    steps = policy(docs, "rel-alignflow-egress-steps")
+    assert steps["podSelector"]["matchLabels"] == {"alignflow.io/mlflow-client": "true",
+                                                   "pipelines.kubeflow.org/v2_component": "true"}
+    assert {"port": 6443, "protocol": "TCP"} in steps["egress"][1]["ports"]
+
+    # A narrowed object store shuts the model hub out unless it is configured.
+    narrow = {"networkPolicy": {"egress": {"objectStore": {"cidrs": ["52.216.0.0/15"]}}}}
+    cidrs = [p["ipBlock"]["cidr"] for r in policy(render_chart(narrow), "rel-alignflow-egress")["egress"]
+             for p in r.get("to", []) if "ipBlock" in p]
+    assert cidrs == ["52.216.0.0/15"]
+    narrow["networkPolicy"]["egress"]["modelHub"] = {"cidrs": ["18.160.0.0/15"]}
+    cidrs = [p["ipBlock"]["cidr"] for r in policy(render_chart(narrow), "rel-alignflow-egress")["egress"]
+             for p in r.get("to", []) if "ipBlock" in p]
+    assert sorted(cidrs) == ["18.160.0.0/15", "52.216.0.0/15"]
+    minio = {"networkPolicy": {"egress": {"objectStore": {"cidrs": [], "namespaces": ["kubeflow"], "ports": [9000]}}}}
+    (store,) = [r for r in policy(render_chart(minio), "rel-alignflow-egress")["egress"] if r.get("ports") == [
+        {"port": 9000, "protocol": "TCP"}]]
+    assert store["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubeflow"}}}]
+    assert not [d for d in by_kind(render_chart({"networkPolicy": {"egress": {"enabled": False}}}), "NetworkPolicy")
+                if "egress" in d["metadata"]["name"]]
+    bare = render_chart({"networkPolicy": {"egress": {"kfpNamespaces": [], "kubeApi": {"cidrs": []}}}})
+    assert "rel-alignflow-egress-steps" not in {d["metadata"]["name"] for d in by_kind(bare, "NetworkPolicy")}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_no_pod_of_the_chart_gets_an_api_token(name):
+    docs = render_chart(VALUE_SETS[name])
+    for account in by_kind(docs, "ServiceAccount"):
+        assert account["automountServiceAccountToken"] is False
+    for spec in pod_specs(docs):
+        assert spec["automountServiceAccountToken"] is False
+
+
+def test_every_pipeline_task_carries_the_mlflow_label_and_runs_as_non_root(tmp_path, monkeypatch):
+    from components.kubernetes import MLFLOW_CLIENT_LABEL, RUN_AS_USER
+    from pipelines.run import compile_pipeline
+
+    _, platform = yaml.safe_load_all(Path(compile_pipeline(str(tmp_path / "p.yaml"))).read_text())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert len(executors) >= 8
+    for name, executor in executors.items():
+        assert executor["podMetadata"]["labels"][MLFLOW_CLIENT_LABEL[0]] == MLFLOW_CLIENT_LABEL[1], name
+        sc = executor["securityContext"]
+        assert sc["runAsNonRoot"] is True and int(sc["runAsUser"]) == RUN_AS_USER == int(sc["runAsGroup"]), name

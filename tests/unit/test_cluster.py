@@ -189,7 +189,7 @@ def test_a_refused_request_is_one_line_naming_what_to_check(kfp_api, config, tmp
     code = cli.main(["pipeline", "submit", "--host", api.url, "--config", config, "--namespace", namespace,
                      "--token-file", str(path)])
     err = capsys.readouterr().err.strip()
-    assert code == 1 and len(err.splitlines()) == 1, err
+    assert code == 2 and len(err.splitlines()) == 1, err
     assert message in err and "--token-file" in err and namespace in err
     assert not api.runs
 

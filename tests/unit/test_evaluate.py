@@ -344,3 +344,16 @@ def test_cli_eval_reports_bad_input(prompts_file, tmp_path, capsys):
 
     assert main(["eval", "--model", str(tmp_path / "missing"), "--dataset", prompts_file]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_multi_label_judge_scores_the_named_label(tiny_model, prompts_file, tmp_path):
+    from tests.helpers import classifier_checkpoint
+
+    judge = classifier_checkpoint(tiny_model, tmp_path / "sentiment", labels=["NEGATIVE", "POSITIVE"], scale=20.0)
+    logit = run_evaluate(_config(tmp_path / "logit", model=tiny_model, dataset=prompts_file, reward_model=judge,
+                                 reward_label="POSITIVE"))["rm_score"]
+    probability = run_evaluate(_config(tmp_path / "p", model=tiny_model, dataset=prompts_file, reward_model=judge,
+                                       reward_label="POSITIVE", reward_label_score="probability",
+                                       reward_funcs=[judge]))
+    assert 0.0 < probability["rm_score"] < 1.0 and probability["rm_score"] != pytest.approx(logit)
+    assert probability["reward"] == pytest.approx(probability["rm_score"])  # the same scorer, as a reward function

@@ -60,11 +60,13 @@ def test_cluster_section_changes_resources(tmp_path):
     assert "resourceCount: '4'" in text and "pool" in text
 
 
-def test_demo_config_validates(tmp_path, tiny_model):
-    config = pipeline_run.load_pipeline_config(DEMO, {"base_model": tiny_model})
+@pytest.mark.parametrize("algorithm", ["grpo", "dpo", "ppo"])
+def test_demo_config_validates(tmp_path, tiny_model, algorithm):
+    config = pipeline_run.load_pipeline_config(DEMO, {"base_model": tiny_model, "algorithm": algorithm})
     pipeline_run.validate(config, promotion=False)
     args = config.arguments()
     assert args["sft_data_uri"].endswith("math_sft.jsonl") and args["grpo_config"]["num_generations"] == 4
+    assert args["algorithm"] == algorithm and args["ppo_config"]["batch_size"] == 8
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -72,16 +74,42 @@ def test_demo_config_validates(tmp_path, tiny_model):
     ({"grpo": {"num_generations": 1}}, "`num_generations` must be >= 2"),
     ({"datasets": {"sft": "/no/such/file.jsonl", "preferences": "demo:preferences", "prompts": "demo:math",
                    "eval": "demo:math_eval"}}, "`datasets.sft` = '/no/such/file.jsonl' does not exist"),
-    ({"algorithm": "ppo"}, "`algorithm` must be one of grpo, dpo (lower case), got 'ppo'"),
-    ({"max_steps": -3}, "`max_steps` must be 0 (each stage's own value) or positive, got -3"),
+    ({"algorithm": "PPO"}, "`algorithm` must be one of grpo, dpo, ppo (lower case), got 'PPO'"),
+    ({"max_steps": -3}, "`max_steps` must be 0 (each stage's own value) or a finite positive number, got -3"),
     ({"num_generations": 1}, "`num_generations` must be 0 (the grpo section's value) or >= 2"),
     ({"grpo": {"loss_type": "ppo"}}, "invalid choice: 'ppo' (choose from 'grpo', 'bnpo', 'dr_grpo', 'dapo')"),
+    ({"algorithm": "ppo", "ppo": {"batch_size": 6, "mini_batch_size": 4, "per_device_batch_size": 4}},
+     "In the `ppo` section of the pipeline config: batch_size (6) must be a multiple of mini_batch_size (4)"),
+    ({"ppo": {"cliprang": 0.1}}, "In the `ppo` section of the pipeline config: Unknown ppo option `cliprang` "
+                                 "(in the stage config). Did you mean `cliprange`?"),
+    ({"ppo": {"reward_model_weight": "high"}}, "In the `ppo` section of the pipeline config: `reward_model_weight` "
+                                               "must be a number"),
+    ({"ppo": {"nodes": 0}}, "In the `ppo` section of the pipeline config: `nodes` must be a whole number >= 1"),
 ])
 def test_bad_configs_fail_before_any_task(tiny_model, override, message):
     config = pipeline_run.load_pipeline_config(DEMO, {"base_model": tiny_model, **override})
     with pytest.raises(ConfigError) as err:
         pipeline_run.validate(config, promotion=False)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_the_reward_model_joins_the_rl_rewards_with_its_weight(stage):
+    """`reward_model_weight` is the pipeline's key (accepted in the section, never passed to the stage); the
+    reward-model task's output goes after the section's reward functions, or after the stage's default ones."""
+    from components import inputs, launcher
+    from trainer.stages import stage_parts
+
+    config_cls, _ = stage_parts(stage)
+    section = {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2],
+               "reward_model_weight": 0.5}
+    inputs.check_parameters(stage, {stage: section}, {}, {}, "m")
+    weight, rest = inputs.split_reward_model_weight(stage, section)
+    assert (weight, "reward_model_weight" in rest) == (0.5, False)
+    joined = launcher.with_reward_model(config_cls, rest, "/rm", weight)
+    assert joined["reward_funcs"] == ["exact_answer", "answer_format", "/rm"]
+    assert joined["reward_weights"] == [1.0, 0.2, 0.5]
+    assert launcher.with_reward_model(config_cls, {}, "/rm", 1.0) == {"reward_funcs": ["exact_answer", "/rm"]}
 
 
 def test_unknown_pipeline_option_suggests_the_closest():
@@ -146,9 +174,9 @@ def test_trainer_cli_has_no_pipeline_group(capsys):
 # ----------------------------------------------------------------------------------------------
 # What the compiled spec promises: cache keys, parameters a UI user can read, one branch per algorithm
 
-TRAINING_COMPONENTS = ("comp-sft", "comp-reward-model", "comp-dpo", "comp-grpo")
+TRAINING_COMPONENTS = ("comp-sft", "comp-reward-model", "comp-dpo", "comp-grpo", "comp-ppo")
 # Producers whose outputs are functions of the data alone (fingerprints), though they run every time.
-DATA_FUNCTIONS = {("comp-check-inputs", key) for key in ("sft", "reward", "dpo", "grpo")}
+DATA_FUNCTIONS = {("comp-check-inputs", key) for key in ("sft", "reward", "dpo", "grpo", "ppo")}
 
 
 def _tasks(spec) -> list[tuple[str, str, dict]]:
@@ -208,7 +236,7 @@ def test_training_cache_keys_are_stable_and_take_nothing_made_per_run(tmp_path):
                              "--config", DEMO], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert cache_relevant(out.read_text()) == first
-    assert set(first) == {"sft", "reward-model", "grpo", "dpo"}
+    assert set(first) == {"sft", "reward-model", "grpo", "dpo", "ppo"}
 
     spec = next(yaml.safe_load_all(out.read_text()))
     cached_producers = {task["componentRef"]["name"] for _, _, task in _tasks(spec)
@@ -225,6 +253,10 @@ def test_training_cache_keys_are_stable_and_take_nothing_made_per_run(tmp_path):
                     assert "{{$" not in source[1], f"{name}.{input_name} is a run-time placeholder: {source}"
     # The fingerprint reaches each training task, and the parent run does not.
     assert first["sft"]["inputs"]["parameters"]["inputs_fingerprint"] == [("comp-check-inputs", "sft")]
+    # PPO: the policy from SFT, the judge from the reward-model task, the prompts' fingerprint.
+    assert first["ppo"]["inputs"]["artifacts"]["policy"] == [("comp-sft", "model")]
+    assert first["ppo"]["inputs"]["artifacts"]["reward_model"] == [("comp-reward-model", "model")]
+    assert first["ppo"]["inputs"]["parameters"]["inputs_fingerprint"] == [("comp-check-inputs", "ppo")]
     assert not any("parent" in k for key in first.values() for k in key["inputs"]["parameters"])
 
 
@@ -242,10 +274,10 @@ def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(tmp_path):
 def test_every_pipeline_parameter_is_described_for_the_ui(tmp_path):
     spec = next(yaml.safe_load_all(compiled(tmp_path)))
     parameters = spec["root"]["inputDefinitions"]["parameters"]
-    assert len(parameters) == 19
+    assert len(parameters) == 20
     undescribed = [name for name, p in parameters.items() if len(p.get("description", "")) < 20]
     assert undescribed == []
-    assert "`grpo` or `dpo`" in parameters["algorithm"]["description"]
+    assert "`grpo`, `dpo` or `ppo`" in parameters["algorithm"]["description"]
 
 
 def test_one_branch_per_algorithm_and_the_parameter_check_runs_first(tmp_path):

@@ -296,7 +296,7 @@ def test_cli_promote_and_rollback(uri, client, tmp_path, capsys):
     assert _aliases(client, name) == {CHAMPION: "1", PREVIOUS_CHAMPION: "2"}
 
     assert main(["promote", "--model-name", name, "--checkpoint", str(tmp_path / "c0"), "--metrics",
-                 str(tmp_path / "missing.json"), "--tracking-uri", uri]) == 1
+                 str(tmp_path / "missing.json"), "--tracking-uri", uri]) == 2
     assert "missing.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["promote", "--model-name", name, "--checkpoint", str(tmp_path / "c0")])  # no --metrics

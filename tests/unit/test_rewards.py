@@ -90,3 +90,24 @@ def test_long_texts_keep_their_end(reward_checkpoint):
     a, b = scorer([long_prompt, "x"], [" yes", " no"])[0], scorer(["y " + long_prompt], [" yes"])[0]
     assert a == pytest.approx(b, abs=1e-6)  # only the last 8 tokens count
     assert a != pytest.approx(scorer([long_prompt], [" no"])[0], abs=1e-3)
+
+
+def test_the_loader_itself_holds_import_paths_to_the_allow_list(tmp_path, monkeypatch):
+    """A stage started as a library call (not through the CLI) must not import a module outside
+    ALIGNFLOW_ALLOWED_REWARD_MODULES: the module's code would run before any check."""
+    import sys
+
+    from trainer.config import ConfigError
+    from trainer.rewards import load_reward_function
+
+    (tmp_path / "sneaky_rewards.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\n"
+                                               "def score(prompts, completions, **_):\n    return [1.0] * len(prompts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ALIGNFLOW_ALLOWED_REWARD_MODULES", "tests.helpers")
+    with pytest.raises(ConfigError, match="not in ALIGNFLOW_ALLOWED_REWARD_MODULES"):
+        load_reward_function("sneaky_rewards:score")
+    assert not (tmp_path / "ran").exists() and "sneaky_rewards" not in sys.modules
+    assert load_reward_function("tests.helpers:target_frequency")([""], ["aa"]) == [1.0]
+    monkeypatch.delenv("ALIGNFLOW_ALLOWED_REWARD_MODULES")
+    assert load_reward_function("sneaky_rewards:score")(["p"], ["c"]) == [1.0]
+    assert (tmp_path / "ran").exists()

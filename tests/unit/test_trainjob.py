@@ -88,10 +88,12 @@ def test_two_node_grpo_trainjob_shape(monkeypatch):
     pod = node["template"]["spec"]["template"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["spec"]["volumes"]
     assert pod["spec"]["containers"] == [
-        {"name": "node", "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
+        {"name": "node", "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
     ]
     assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert pod["metadata"] == {"annotations": {"sidecar.istio.io/inject": "false"}}
+    assert pod["metadata"] == {"labels": {"alignflow.io/mlflow-client": "true"},
+                               "annotations": {"sidecar.istio.io/inject": "false"}}
 
 
 def test_two_node_grpo_pytorchjob_shape():
@@ -114,6 +116,24 @@ def test_without_vllm_server_no_rollout_gpu_and_ddp_without_deepspeed():
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "4"
     assert "vllm_server_devices" not in json.loads(trainer["env"][0]["value"])
     assert "--multi_gpu" in trainer["command"][2] and "--config_file" not in trainer["command"][2]
+
+
+@pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
+def test_job_pods_are_locked_down(kind):
+    """Every pod of the job: the trainer image's non-root uid, RuntimeDefault seccomp, no privilege
+    escalation or capabilities, no ServiceAccount token, and the label MLflow's NetworkPolicy admits."""
+    job, _ = two_node_grpo(job_kind=kind)
+    dockerfile = (ROOT / "images" / "trainer" / "Dockerfile").read_text()
+    image_uid = [line.split()[1].split(":")[0] for line in dockerfile.splitlines() if line.startswith("USER ")][-1]
+    for template in trainjob.pod_templates(job):
+        spec = template["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": int(image_uid),
+                                           "runAsGroup": int(image_uid), "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = spec["containers"]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert template["metadata"]["labels"]["alignflow.io/mlflow-client"] == "true"
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)

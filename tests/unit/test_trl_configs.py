@@ -86,7 +86,8 @@ def test_a_typical_trl_config_parses_under_alignflow(cls, tmp_path, capsys):
         assert config.rollout_engine == "vllm" and config.top_k == -1 and config.importance_sampling_cap == 2.0
     err = capsys.readouterr().err
     assert err.count("note: model_name_or_path is TRL's name for model") == 1
-    assert "note: push_to_hub ignored" in err and "note: dataloader_num_workers ignored" in err
+    assert "note: dataloader_num_workers ignored" in err
+    assert config.push_to_hub is False and config.hub_model_id is None  # the same names in alignflow
 
 
 def test_aliases_of_shared_fields_reach_every_stage():
@@ -119,7 +120,8 @@ def test_pipeline_stage_configs_take_trl_names_too():
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("push_to_hub", True, ["push_to_hub", "never pushes to the Hugging Face Hub", "Remove it"]),
+    ("hub_token", "hf_abc", ["hub_token", "HF_TOKEN", "Remove it"]),
+    ("hub_strategy", "every_save", ["hub_strategy", "pushes once", "Remove it"]),
     ("use_liger_kernel", True, ["use_liger_kernel", "Liger kernels are not supported"]),
     ("optim", "adafactor", ["optim", "torch's AdamW"]),
     ("save_strategy", "epoch", ["save_strategy", "save_steps"]),

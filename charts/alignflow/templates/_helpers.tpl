@@ -81,3 +81,79 @@ imagePullSecrets:
 - name: MLFLOW_S3_ENDPOINT_URL
   valueFrom: {secretKeyRef: {name: {{ .Values.secrets.s3.name }}, key: AWS_ENDPOINT_URL, optional: true}}
 {{- end -}}
+
+{{/* The Secret holding the MLflow admin's MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD. */}}
+{{- define "alignflow.mlflowAuthSecret" -}}
+{{- default (include "alignflow.mlflowChartAuthSecret" .) .Values.mlflow.auth.existingSecret -}}
+{{- end -}}
+
+{{/* The chart's own MLflow auth Secret (the Flask session key, and the admin unless existingSecret). */}}
+{{- define "alignflow.mlflowChartAuthSecret" -}}
+{{- printf "%s-mlflow-auth" (include "alignflow.fullname" .) -}}
+{{- end -}}
+
+{{/* A random value kept in the chart's auth Secret under .key: the one already in the cluster (so
+upgrades keep it), else 32 new random characters. Computed once per render, so every template that
+includes it gets the same one. */}}
+{{- define "alignflow.generated" -}}
+{{- $cache := .root.Values.mlflow.auth -}}
+{{- $slot := printf "generated%s" .key -}}
+{{- if not (hasKey $cache $slot) -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace (include "alignflow.mlflowChartAuthSecret" .root) -}}
+{{- $old := dig "data" .key "" ($existing | default dict) -}}
+{{- $_ := set $cache $slot (ternary (b64dec $old) (randAlphaNum 32) (ne $old "")) -}}
+{{- end -}}
+{{- get $cache $slot -}}
+{{- end -}}
+
+{{/* The MLflow admin password when the chart keeps it: mlflow.auth.adminPassword, else generated once
+(MLflow sets the admin password only on its first start, so it must not change on upgrades). */}}
+{{- define "alignflow.mlflowAdminPassword" -}}
+{{- $auth := .Values.mlflow.auth -}}
+{{- if $auth.adminPassword -}}
+{{- if lt (len $auth.adminPassword) 12 -}}
+{{- fail "mlflow.auth.adminPassword must be at least 12 characters (MLflow's rule); leave it empty to generate one" -}}
+{{- end -}}
+{{- $auth.adminPassword -}}
+{{- else -}}
+{{- include "alignflow.generated" (dict "root" . "key" "MLFLOW_TRACKING_PASSWORD") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Host headers MLflow answers: its Service names, with and without the port, localhost, and extras. */}}
+{{- define "alignflow.mlflowAllowedHosts" -}}
+{{- $svc := printf "%s-mlflow" (include "alignflow.fullname" .) -}}
+{{- $hosts := list -}}
+{{- range $name := list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) -}}
+{{- $hosts = append (append $hosts $name) (printf "%s:%v" $name $.Values.mlflow.port) -}}
+{{- end -}}
+{{- $hosts = concat $hosts (list "localhost" "localhost:*" "127.0.0.1" "127.0.0.1:*") .Values.mlflow.extraAllowedHosts -}}
+{{- if has "*" $hosts -}}
+{{- fail "mlflow.extraAllowedHosts must not contain \"*\": list the host names clients use" -}}
+{{- end -}}
+{{- join "," $hosts -}}
+{{- end -}}
+
+{{/* Peers admitted to the chart's servers: labelled clients (and KFP component pods) here and in allowNamespaces. */}}
+{{- define "alignflow.clientPeers" -}}
+{{- $np := .Values.networkPolicy -}}
+{{- $selectors := list (dict $np.clientLabel "true") -}}
+{{- if $np.allowKfpComponents -}}
+{{- $selectors = append $selectors (dict "pipelines.kubeflow.org/v2_component" "true") -}}
+{{- end -}}
+{{- range $selectors }}
+- podSelector:
+    matchLabels:
+      {{- toYaml . | nindent 6 }}
+{{- end }}
+{{- range $ns := $np.allowNamespaces }}
+{{- range $selectors }}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ $ns }}
+  podSelector:
+    matchLabels:
+      {{- toYaml . | nindent 6 }}
+{{- end }}
+{{- end }}
+{{- end -}}
