@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="max_completion_length, training and eval.")
     parser.add_argument("--learning-rate", type=float, default=5e-6, help="Constant learning rate (AdamW).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
-    parser.add_argument("--format-weight", type=float, default=0.2, help="Weight of the just-the-number reward.")
+    parser.add_argument("--format-weight", type=float, default=0.25,
+                        help="Weight of the just-the-number reward (a binary fraction keeps the sums exact).")
     parser.add_argument("--train-items", type=int, default=2000, help="Training pool size.")
     parser.add_argument("--eval-items", type=int, default=300, help="Held-out items (the paired test).")
     parser.add_argument("--max-prompt-length", type=int, default=64, help="Longer prompts lose their start.")
