@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     plot_path = args.json.with_name(args.json.stem + "_reward.png")
     common.write_json(args.json, "grpo_quality", args, runs, [], summary=summary, items=items_out)
     p = summary["mcnemar_exact_p"]
-    plot(trained["steps"], f"GRPO on 2-digit arithmetic, {args.model.name}, CPU: held-out accuracy (greedy) "
+    plot(trained["steps"], f"GRPO on 2-digit arithmetic, {args.model.name}, CPU\nheld-out accuracy (greedy) "
          f"{summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%}, McNemar p = {p:.2g}",
          f"{settings}; total {total / 60:.0f} min", plot_path)
     common.print_header("GRPO on 2-digit arithmetic", settings, started, load_before)
