@@ -179,6 +179,17 @@ def plot(steps: list[dict], title: str, settings: str, path: Path) -> None:
     plt.close(fig)
 
 
+def by_operation(items: list[dict]) -> dict:
+    """Held-out items, right before and right after, per operation ("+", "-")."""
+    out: dict[str, dict[str, int]] = {}
+    for item in items:
+        counts = out.setdefault(item["question"].split()[3], {"items": 0, "before": 0, "after": 0})
+        counts["items"] += 1
+        counts["before"] += item["before"]
+        counts["after"] += item["after"]
+    return out
+
+
 def summarize(before: dict, after: dict, steps: list[dict], total: float, load: tuple[float, float]) -> dict:
     both = list(zip(before["correct"], after["correct"]))
     right = sum(a == 0 and b == 1 for a, b in both)
@@ -274,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                                             before.pop("completions"), after.pop("completions"))]
     runs = [{"phase": "eval before", **before}, {"phase": "train", **trained}, {"phase": "eval after", **after}]
     plot_path = args.json.with_name(args.json.stem + "_reward.png")
+    summary["correct_by_operation"] = by_operation(items_out)
     common.write_json(args.json, "grpo_quality", args, runs, [], summary=summary, items=items_out)
     p = summary["mcnemar_exact_p"]
     plot(trained["steps"], f"GRPO on 2-digit arithmetic, {args.model.name}, CPU\nheld-out accuracy (greedy) "
