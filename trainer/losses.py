@@ -332,18 +332,34 @@ def group_advantages(
     else:
         raise ValueError(f"Unknown scale_rewards '{scale_rewards}'; expected one of {ScaleRewards.__args__}.")
 
-    advantages = grouped - mean  # [B, G]
+    # A group (the batch, for "batch") whose scored rewards are all equal has std 0 and advantages 0
+    # exactly: float32 rounding makes the std of eight 0.2s ~1.6e-8, not 0, which would give those
+    # completions tiny advantages and hide them from `frac_reward_zero_std`.
+    constant = _all_equal(grouped, dim=1)  # [B, 1]
+    scale_constant = constant if scale_rewards != "batch" else _all_equal(rewards, dim=None).expand_as(mean)
+    std = torch.where(scale_constant, torch.zeros_like(std), std)  # [B, 1]
+    advantages = torch.where(constant, torch.zeros_like(grouped), grouped - mean)  # [B, G]
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPS)
     advantages = torch.nan_to_num(advantages, nan=0.0).view(-1)  # [B*G]
 
-    is_std_zero = torch.isclose(std, torch.zeros_like(std))  # [B, 1]; NaN std (one scored sample) -> False
+    is_std_zero = std == 0  # [B, 1]; NaN std (one scored sample) -> False
     stats = {
         "reward": torch.nanmean(rewards),
         "reward_std": nanstd(rewards),
         "frac_reward_zero_std": is_std_zero.float().mean(),
     }
     return advantages, stats
+
+
+def _all_equal(x: Tensor, dim: int | None) -> Tensor:
+    """Whether the non-NaN values along `dim` (all of `x` for None) are at least two and all equal. -> [B, 1] or []"""
+    scored = ~torch.isnan(x)
+    lo = torch.where(scored, x, torch.inf)
+    hi = torch.where(scored, x, -torch.inf)
+    if dim is None:
+        return (scored.sum() >= 2) & (hi.max() == lo.min())
+    return (scored.sum(dim, keepdim=True) >= 2) & (hi.amax(dim, keepdim=True) == lo.amin(dim, keepdim=True))
 
 
 def rloo_advantages(rewards: Tensor, num_generations: int) -> tuple[Tensor, Stats]:

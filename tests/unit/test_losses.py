@@ -269,6 +269,18 @@ def test_group_advantages_nan_rewards_are_left_out():
     close(stats["reward"], 3.8)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_constant_groups_of_inexact_rewards_are_zero_variance(scale):
+    """Eight rewards of 0.2 (a format reward weighted 0.2) have a float32 std of ~1.6e-8, not 0:
+    the group still counts as zero-variance and its advantages are exactly 0."""
+    rewards = torch.cat([torch.full((8,), 0.2), torch.tensor([0.0, 1.2, 0.2, 1.2, 0.0, 0.2, 1.2, 0.2])])
+    adv, stats = group_advantages(rewards, 8, scale)
+    assert torch.equal(adv[:8], torch.zeros(8)) and adv[8:].abs().min() > 0
+    close(stats["frac_reward_zero_std"], 0.5 if scale != "batch" else 0.0)
+    adv, stats = group_advantages(torch.full((8,), 0.2), 8, scale)  # the whole batch constant
+    assert torch.equal(adv, torch.zeros(8)) and stats["frac_reward_zero_std"] == 1.0
+
+
 def test_group_advantages_single_generation_and_bad_size():
     """G = 1: every 'group' is one sample with std 0 -> advantages 0 and frac_reward_zero_std = 1."""
     adv, stats = group_advantages(t(1.0, 2.0), 1, "group")
