@@ -3,8 +3,9 @@ with `--resume_from_checkpoint auto` each time, ends with the weights and the lo
 uninterrupted run.
 
 The kills land anywhere: during imports and model loading, mid-step, while a checkpoint is
-being written or rotated. Each episode is one output folder killed until a restart finishes; the
-suite runs episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (2 in CI; docs/reliability.md
+being written or rotated (a random 0-1.5 s after the newest checkpoint, or one or two steps later,
+is complete). Each episode is one output folder killed until a restart finishes; the suite runs
+episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (2 in CI; docs/reliability.md
 quotes a run with 20). `ALIGNFLOW_FAULT_REPORT=FILE` appends each stage's figures as a JSON line.
 """
 
@@ -58,16 +59,29 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_killed(cmd: list[str], delay: float) -> bool:
-    """Run `cmd`, SIGKILL its process group after `delay` seconds; True if it was killed, False if it finished first."""
+def newest_checkpoint(out: Path) -> int:
+    return max((step for step, _ in ckpt.list_checkpoints(str(out))), default=0)
+
+
+def run_killed(cmd: list[str], out: Path, rng: random.Random | None) -> bool:
+    """Run `cmd`; with `rng`, SIGKILL its process group at a random moment: 0-1.5 s after one of
+    the next checkpoints (0, 1 or 2 steps past the newest; 0 = during start-up) is complete, which
+    lands in imports, model loading, a step or a save. True if killed, False if it finished first."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = proc.communicate(timeout=delay)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return True
+    if rng is not None:
+        target = min(newest_checkpoint(out) + rng.randint(0, 2), STEPS - 1)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and newest_checkpoint(out) < target:
+            assert time.monotonic() < deadline, f"no checkpoint-{target} within 600 s"
+            time.sleep(0.01)
+        try:
+            proc.wait(timeout=rng.uniform(0.0, 1.5))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return True
+    _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, f"a restart failed ({proc.returncode}):\n{err[-4000:]}"
     return False
 
@@ -82,8 +96,7 @@ def comparable(record: dict) -> dict:
 def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, tmp_path):
     straight = tmp_path / "straight"
     started = time.monotonic()
-    subprocess.run(command(stage, tiny_model, tmp_path, straight), cwd=ROOT, env=env(), check=True,
-                   capture_output=True)
+    run_killed(command(stage, tiny_model, tmp_path, straight), straight, None)
     duration = time.monotonic() - started
     reference, reference_history = weights(straight), [comparable(r) for r in ckpt.read_history(str(straight))]
 
@@ -92,10 +105,8 @@ def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, tmp_
     while kills < KILLS:
         out = tmp_path / f"episode-{episodes}"
         episodes += 1
-        # Kill at a random moment of a whole run's duration until a restart finishes, or the kills
-        # are done (then the last restart runs to the end).
-        while run_killed(command(stage, tiny_model, tmp_path, out),
-                         rng.uniform(0.15, 1.0) * duration if kills < KILLS else 30 * duration + 600):
+        # Killed again and again until a restart finishes (once the kills are done, it runs to the end).
+        while run_killed(command(stage, tiny_model, tmp_path, out), out, rng if kills < KILLS else None):
             kills += 1
         assert ckpt.is_complete(str(out))
         worst = max(worst, max_difference(reference, weights(out)))
