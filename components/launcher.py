@@ -29,7 +29,6 @@ PIPELINE_RUN_ID_TAG = "alignflow.pipeline_run_id"  # the run's id: how every tas
 # the newest, and resumes a retried task from it.
 PIPELINE_DEFAULTS = {"resume_from_checkpoint": "auto", "save_minutes": 30, "save_total_limit": 1,
                      "disable_progress_bar": True}
-CURVES = {"sft": "loss", "reward": "accuracy", "dpo": "rewards/margins", "grpo": "reward", "ppo": "reward"}
 
 
 def _setup() -> None:
@@ -158,12 +157,22 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
         trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
-    history = ckpt.read_history(model_out.path)
-    report.write(report_out.path, report.stage_report(f"{stage} — {config_cls.__doc__.splitlines()[0]}",
-                                                      manifest["metrics"], history, CURVES.get(stage, "loss")))
+    report.write(report_out.path, report.render(training_report(stage, model_out.path)))
     publish(model_out.path)
     if checkpoints:
         storage.remove(checkpoints)  # the model is the task's output now; its checkpoints are spent
+
+
+def training_report(stage: str, model_dir: str) -> report.Report:
+    """A training task's page, from its model folder: final metrics and run id (manifest), curves
+    (metrics.jsonl) and the completions the stage logged last (manifest `samples`)."""
+    from trainer.stages import stage_parts
+
+    manifest = ckpt.read_json(storage.join(model_dir, ckpt.MANIFEST))
+    run_id = manifest.get("mlflow_run_id") or ""
+    return report.Report(stage, (stage_parts(stage)[0].__doc__ or "").strip().splitlines()[0], manifest["metrics"],
+                         ckpt.read_history(model_dir), manifest.get("samples") or [], mlflow_run_id=run_id,
+                         mlflow_url=mlflow_run_url(run_id))
 
 
 def with_reward_model(config_cls, config: dict[str, Any], reward_model: str, weight: float) -> dict[str, Any]:
@@ -201,7 +210,7 @@ def skip_stage(stage: str, *, model_in: str | None, model_out, metrics_out, repo
         pass_through(model_in, model_out.path)
     else:
         mark_skipped(model_out.path, why)
-    report.write(report_out.path, f"<html><body><h2>{stage} skipped</h2><p>{why}</p></body></html>")
+    report.write(report_out.path, report.render(report.Report(f"{stage} skipped", notes=[why])))
 
 
 def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, dataset: str, reward_model: str,
@@ -230,17 +239,42 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
         passed, reason = registry.check_gate(model_name, metrics, gate_metric, min_improvement)
     else:
         passed, reason = False, "no MLflow tracking URI: nothing to promote into"
-    samples = []
-    samples_file = Path(results_out.path, "samples.jsonl")
-    if samples_file.exists():
-        for line in samples_file.read_text().splitlines()[:8]:
-            row = json.loads(line)
-            samples.append({"prompt": str(row.get("prompt"))[:200], "completion": str(row.get("completion"))[:300]})
-    body = report.stage_report("evaluate", metrics, [], "reward", samples)
-    report.write(report_out.path, body.replace("</body>", f"<p><b>Gate:</b> {reason}</p></body>"))
+    report.write(report_out.path, report.render(evaluate_report(metrics, results_out.path, passed, reason, parent)))
     Path(results_out.path, "gate.json").write_text(json.dumps({"passed": passed, "reason": reason}))
     publish(results_out.path)
     return passed
+
+
+def evaluate_report(metrics: dict[str, float], results: str, passed: bool, reason: str, mlflow_run: str,
+                    rows: int = 8) -> report.Report:
+    """The evaluate task's page: the gate verdict, the metrics, the first `rows` samples (one column per
+    reward function) and a link to the pipeline's MLflow run (the evaluate run is its child)."""
+    from trainer.completions import flat_sample
+
+    samples_file = Path(results, "samples.jsonl")
+    lines = samples_file.read_text().splitlines()[:rows] if samples_file.exists() else []
+    samples = [flat_sample(json.loads(line)) for line in lines]
+    return report.Report("evaluate", "The trained policy on held-out prompts, against the current champion",
+                         metrics, samples=samples, gate=report.Gate(passed, reason), mlflow_run_id=mlflow_run,
+                         mlflow_url=mlflow_run_url(mlflow_run))
+
+
+def mlflow_run_url(run_id: str) -> str:
+    """The run's page in the MLflow UI of MLFLOW_TRACKING_URI (credentials left out); '' without an
+    HTTP tracking server or when the run cannot be looked up."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not run_id or not uri.startswith(("http://", "https://")) or (client := _client()) is None:
+        return ""
+    try:
+        experiment = client.get_run(run_id).info.experiment_id
+    except Exception as err:  # a report without the link beats a failed task
+        log.warning("MLflow: cannot look up run %s for the report's link (%s).", run_id, err)
+        return ""
+    parts = urlsplit(uri)
+    base = urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
 
 
 def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: str, min_improvement: float,
@@ -256,9 +290,10 @@ def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: 
         tags["alignflow.pipeline_mlflow_run"] = parent
     result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
                               min_improvement=min_improvement, tags=tags, parent_run_id=parent or None)
-    report.write(report_out.path, f"<html><body><h2>promote {model_name}</h2><p>version {result.version}: "
-                                  f"{result.reason}</p><p>champion {result.champion_before} → "
-                                  f"{result.champion_after}</p></body></html>")
+    page = report.Report(f"promote {model_name}", f"version {result.version}: champion {result.champion_before or 'none'} "
+                         f"→ {result.champion_after}", metrics, gate=report.Gate(result.promoted, result.reason),
+                         mlflow_run_id=parent, mlflow_url=mlflow_run_url(parent))
+    report.write(report_out.path, report.render(page))
     return result.version
 
 

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from trainer import cli as trainer_cli
+from trainer.extras import MissingExtra, require
 
 PIPELINE_HELP = "Compile, run locally, submit or schedule the post-training pipeline."
 
@@ -72,6 +73,11 @@ def pipeline(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "retries", 0) < 0:
         parser.error(f"--retries must be >= 0, got {args.retries}")
+    try:  # KFP is the pipeline extra; without it, say so in one line
+        require("kfp", feature="`alignflow pipeline`")
+    except MissingExtra as err:
+        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
     from pipelines import cluster
     from pipelines import run as pipeline_run

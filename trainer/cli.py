@@ -64,6 +64,7 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from trainer.checkpoint import CheckpointError, NonFiniteWeightsError, UnsafeCheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
+    from trainer.extras import MissingExtra
     from trainer.models import ModelError
     from trainer.registry import RegistryError
     from trainer.rewards import RewardError
@@ -71,7 +72,7 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from trainer.storage import StorageError
 
     return (ConfigError, DataError, ModelError, RewardError, StorageError, UnsafeCheckpointError,
-            NonFiniteWeightsError, CheckpointError, TrainingError, RegistryError)
+            NonFiniteWeightsError, CheckpointError, TrainingError, RegistryError, MissingExtra)
 
 
 # What to do about an OSError, by errno (the message adds the file it happened to).
@@ -136,7 +137,7 @@ def guarded(prog: str, command, argv: list[str]) -> int:
 
 def _train(stage: str, argv: list[str]) -> int:
     """Parse the stage's config, check its reward functions, start its ranks when asked, or run it here."""
-    from trainer import launch
+    from trainer import extras, launch
     from trainer.checkpoint import RunFinished
     from trainer.config import parse_config
     from trainer.reward_specs import check_reward_specs
@@ -144,6 +145,7 @@ def _train(stage: str, argv: list[str]) -> int:
     config_cls, run = stage_parts(stage)
     config = parse_config(config_cls, argv, prog=f"alignflow train {stage}")
     check_reward_specs(getattr(config, "reward_funcs", []))  # before any data or model loads
+    extras.check_config(config)  # a missing extra (tracking URI without mlflow, ...) too
     if launch.needs_launch(config):
         return launch.launch(stage, argv, config)
     try:
@@ -196,12 +198,14 @@ def _model(argv: list[str]) -> int:
 def _eval(argv: list[str]) -> int:
     import json
 
+    from trainer import extras
     from trainer.config import parse_config
     from trainer.evaluate import EvalConfig, run_evaluate
     from trainer.reward_specs import check_reward_specs
 
     config = parse_config(EvalConfig, argv, prog="alignflow eval")
     check_reward_specs(config.reward_funcs)
+    extras.check_config(config)
     metrics = run_evaluate(config)
     print(json.dumps(metrics, indent=2, sort_keys=True))
     print(f"Wrote {config.output_dir}/metrics.json and samples.jsonl")

@@ -5,17 +5,71 @@ the same rows. `build_batch` lays a cycle's completions out as [left-padded prom
 right-padded completion] rows, grouped so that rows g*G .. g*G+G-1 share prompt g, and
 `token_logps` gathers the trainer's log-probs of the completion tokens, running each group's
 prompt once when it can (`trainer.attention.share_prompts`).
+
+`sample_rows` and `completions_table` turn logged completions into rows a person reads: the
+prompt as text (chat as "role: content" lines), one column per reward function, the advantage.
+They feed the MLflow completions tables and the samples of the KFP report (components/report.py).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from trainer.attention import SHARED_ATTENTION, register_shared_attention, share_prompts
 from trainer.data import is_conversational, render_chat
 from trainer.logprobs import entropy, selective_log_softmax, target_logits, to_padded
+
+
+def chat_text(value: Any) -> str:
+    """A prompt or completion as plain text: chat messages become "role: content" lines, text stays text."""
+    if is_conversational(value):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in value)
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _number(value: float) -> float | None:
+    """A finite float, or None (MLflow tables and JSON have no NaN)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def sample_rows(step: int, prompts: list, completions: list[str], names: list[str], per_func: torch.Tensor,
+                reward: torch.Tensor, advantage: torch.Tensor | None = None, reward_column: str = "reward",
+                limit: int | None = None) -> list[dict[str, Any]]:
+    """The first `limit` completions as rows: step, prompt (as given: text or chat), completion,
+    `rewards/<name>` per reward function (None where it did not score), the weighted `reward_column`
+    and the `advantage` (per completion: [N]; for per-token advantages pass their masked mean)."""
+    k = len(completions) if limit is None else min(limit, len(completions))
+    rows = []
+    for i in range(k):
+        row: dict[str, Any] = {"step": step, "prompt": prompts[i], "completion": completions[i]}
+        row.update({f"rewards/{n}": _number(per_func[i, j]) for j, n in enumerate(names)})
+        row[reward_column] = _number(reward[i])
+        if advantage is not None:
+            row["advantage"] = _number(advantage[i])
+        rows.append(row)
+    return rows
+
+
+def flat_sample(record: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation sample (`rewards` as {name: value}) with one `rewards/<name>` key per function."""
+    row = {k: v for k, v in record.items() if k != "rewards"}
+    for name, value in (record.get("rewards") or {}).items():
+        row[f"rewards/{name}"] = value
+    return row
+
+
+def completions_table(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """Rows as MLflow table columns: prompts and completions as text, other non-scalar values as JSON."""
+    flat = [{k: chat_text(v) if k in ("prompt", "completion") or not isinstance(v, str | int | float | bool | None)
+             else v for k, v in flat_sample(row).items()} for row in rows]
+    keys = list(dict.fromkeys(k for row in flat for k in row))
+    return {k: [row.get(k) for row in flat] for k in keys}
 
 
 def prompt_token_ids(prompt, tokenizer, max_prompt_length: int | None = None) -> list[int]:

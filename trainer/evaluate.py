@@ -42,7 +42,7 @@ from typing import Any, Literal
 import torch
 
 from trainer import storage
-from trainer.completions import batched_logps, build_batch, prompt_token_ids
+from trainer.completions import batched_logps, build_batch, completions_table, prompt_token_ids
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, is_conversational, load_rows
 from trainer.losses import combine_rewards
@@ -360,11 +360,4 @@ def write_outputs(output_dir: str, metrics: dict[str, float], samples: list[dict
 
 def samples_table(samples: list[dict[str, Any]]) -> dict[str, list]:
     """samples.jsonl as MLflow table columns: nested rewards become `rewards/<fn>` columns, chat becomes text."""
-    flat = []
-    for s in samples:
-        row = {k: v for k, v in s.items() if k != "rewards"}
-        row.update({f"rewards/{n}": v for n, v in (s.get("rewards") or {}).items()})
-        flat.append({k: v if isinstance(v, str | int | float | bool | type(None)) else json.dumps(v, default=str)
-                     for k, v in row.items()})
-    keys = list(dict.fromkeys(k for row in flat for k in row))
-    return {k: [row.get(k) for row in flat] for k in keys}
+    return completions_table(samples)

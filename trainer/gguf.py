@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer.extras import require
+
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("float32", "bfloat16", "float16")
 # Written last, in this order: their presence marks a complete folder.
@@ -45,7 +47,8 @@ def check_gguf_file(gguf_file: str | Path) -> Path:
 
 def read_gguf_strings(path: Path, keys: tuple[str, ...]) -> dict[str, str]:
     """The string-valued metadata ``keys`` that the file has (memory-mapped; arrays are not read)."""
-    from gguf import GGUFReader, GGUFValueType
+    gguf = require("gguf", feature="Reading a GGUF file")
+    GGUFReader, GGUFValueType = gguf.GGUFReader, gguf.GGUFValueType  # noqa: N806
 
     reader = GGUFReader(path)
     values = {}

@@ -47,6 +47,7 @@ from trainer.completions import (
     batched_logps,
     build_batch,
     prompt_token_ids,
+    sample_rows,
     token_logps,
     use_block_attention,
 )
@@ -360,11 +361,10 @@ def cycle_metrics(run: StageRunner, traj: Trajectory, names: list[str]) -> dict[
     }
 
 
-def log_completions(run: StageRunner, traj: Trajectory, step: int) -> None:
-    k = min(run.config.num_completions_to_log, len(traj.texts))
-    run.tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in traj.prompts[:k]],
-                           "completion": traj.texts[:k], "reward": traj.rewards[:k].tolist()},
-                          f"completions/step_{step:06d}.json")
+def log_completions(run: StageRunner, traj: Trajectory, names: list[str], step: int) -> None:
+    rows = sample_rows(step, traj.prompts, traj.texts, names, traj.per_func, traj.rewards, traj.advantages,
+                       limit=run.config.num_completions_to_log)
+    run.log_completions(rows, f"completions/step_{step:06d}.json")
 
 
 def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer,
@@ -474,7 +474,7 @@ def run_grpo(config: GRPOConfig) -> str:
                            "step_time": time.perf_counter() - started}
                 run.log_step(step, metrics, span=config.num_iterations, rank_means=True, evaluate=evaluate_now)
                 if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
-                    log_completions(run, traj, step)
+                    log_completions(run, traj, rewards.names, step)
                 run.maybe_save(step, span=config.num_iterations)
 
             # 4. Final evaluation and the model.

@@ -36,6 +36,7 @@ from importlib import metadata
 from pathlib import Path
 
 from trainer import checkpoint as ckpt
+from trainer.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def log_checkpoint_model(client, run_id: str, checkpoint: Path, model_name: str)
 
     None (nothing logged) when the checkpoint holds no full causal LM (see `servable_folder`).
     `model_name` names the LoggedModel and the staged folder (so served responses name it)."""
+    require("mlflow.transformers", extra="mlflow", feature="Logging the checkpoint as an MLflow model")
     import mlflow.transformers
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model

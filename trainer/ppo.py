@@ -44,7 +44,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer.completions import RolloutBatch, batched_logps, build_batch
+from trainer.completions import RolloutBatch, batched_logps, build_batch, sample_rows
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import describe_datasets
 from trainer.grpo import (
@@ -361,11 +361,12 @@ def rollout_metrics(traj: PPOTrajectory, rewards: RewardSet) -> dict[str, float]
     }
 
 
-def log_completions(run: StageRunner, traj: PPOTrajectory, step: int) -> None:
-    k = min(run.config.num_completions_to_log, len(traj.texts))
-    run.tracker.log_table({"step": [step] * k, "prompt": [str(p) for p in traj.prompts[:k]],
-                           "completion": traj.texts[:k], "score": traj.scores[:k].tolist()},
-                          f"completions/step_{step:06d}.json")
+def log_completions(run: StageRunner, traj: PPOTrajectory, names: list[str], step: int) -> None:
+    # PPO's advantages are per token: the table shows each completion's mean over its tokens.
+    mean_advantage = (traj.advantages * traj.mask).sum(-1) / traj.mask.sum(-1).clamp(min=1)  # [N]
+    rows = sample_rows(step, traj.prompts, traj.texts, names, traj.per_func, traj.scores, mean_advantage,
+                       reward_column="score", limit=run.config.num_completions_to_log)
+    run.log_completions(rows, f"completions/step_{step:06d}.json")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,7 +494,7 @@ def run_ppo(config: PPOConfig) -> str:
                            "step_time": time.perf_counter() - started}
                 run.log_step(step, metrics, span=per, rank_means=True, evaluate=evaluate_now)
                 if config.log_completions_steps and (cycle % config.log_completions_steps == 0 or step >= steps):
-                    log_completions(run, traj, step)
+                    log_completions(run, traj, rewards.names, step)
                 run.maybe_save(step, span=per)
 
             run.final_evaluation(evaluate_now)

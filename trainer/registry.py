@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import checkpoint as ckpt
+from trainer.extras import require
 from trainer.mlflow_model import checkpoint_folder, log_checkpoint_model
 from trainer.models import resolve_model_path
 from trainer.tracking import (
@@ -92,7 +93,7 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
 
 def connect(tracking_uri: str | None = None):
     """An `MlflowClient` for the registry at `tracking_uri`, after checking that an http(s) server answers."""
-    from mlflow import MlflowClient
+    MlflowClient = require("mlflow", feature="The MLflow model registry").MlflowClient  # noqa: N806
 
     uri = use_uri_credentials(resolve_tracking_uri(tracking_uri))  # user:password@ -> MLflow's auth variables
     cap_mlflow_http_retries()

@@ -77,6 +77,7 @@ class StageRunner:
         self.stage, self.config = stage, config
         self.accelerator = distributed.make_accelerator(config)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.samples: list[dict[str, Any]] = []  # the completions logged last (log_completions)
         self.is_main, self.device = self.accelerator.is_main_process, self.accelerator.device
         self.runtime = distributed.describe(self.accelerator)
         if self.is_main:
@@ -284,7 +285,19 @@ class StageRunner:
     def manifest(self) -> dict[str, Any]:
         manifest = ckpt.build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
                                        self.state.global_step)
-        return {**manifest, **self.runtime}
+        # The MLflow run and the last logged completions: the KFP task's report links and shows them.
+        tracker = self.__dict__.get("tracker")
+        extra = {"mlflow_run_id": (tracker and tracker.run_id) or self.state.mlflow_run_id, "samples": self.samples}
+        return {**manifest, **self.runtime, **{k: v for k, v in extra.items() if v}}
+
+    def log_completions(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Log sample completions (`trainer.completions.sample_rows`) as an MLflow table; the last
+        ones logged also go into the model's manifest (`samples`) for the pipeline's report."""
+        from trainer.completions import completions_table
+
+        if rows:
+            self.tracker.log_table(completions_table(rows), artifact_file)
+            self.samples = rows
 
     def save(self, kind: str) -> None:
         """A resumable step checkpoint (`kind="step"`) or the final model (`"final"`). Every rank

@@ -246,5 +246,6 @@ def run_sft(config: SFTConfig) -> str:
             if prompts:
                 with run.gathered():
                     completions = sample_completions(model, tokenizer, prompts, config.sample_max_new_tokens)
-                run.tracker.log_table({"prompt": prompts, "completion": completions}, "samples/completions.json")
+                run.log_completions([{"step": run.state.global_step, "prompt": p, "completion": c}
+                                     for p, c in zip(prompts, completions)], "samples/completions.json")
         return run.finish()

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from trainer.extras import require
+
 log = logging.getLogger(__name__)
 
 RETRY_ENV = "ALIGNFLOW_S3_RETRY_SECONDS"
@@ -40,6 +42,7 @@ def filesystem(uri: str):
     protocol = uri.split("://", 1)[0] if is_remote(uri) else "file"
     options = {}
     if protocol in ("s3", "s3a"):
+        require("s3fs", feature=f"Reading or writing {protocol}:// paths")
         endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                     or os.environ.get("MLFLOW_S3_ENDPOINT_URL"))
         if endpoint:

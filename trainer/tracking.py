@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer import extras
+
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 3.0
@@ -330,11 +332,13 @@ class Tracker:
         self._monitor: Any = None
         self._finished = False
         if self.tracking_uri is None:
+            if not extras.available("mlflow"):
+                logger.info("MLflow tracking is off (no tracking URI, and the mlflow extra is not installed); "
+                            "metrics go to metrics.jsonl.")
             return
+        mlflow = extras.require("mlflow", feature="MLflow tracking (a tracking URI is set)")
         cap_mlflow_http_retries()
-        from mlflow import MlflowClient
-
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         if self._is_http and (why := unreachable_reason(self.tracking_uri)) is not None:
             self._queue.append(_Call("starting the run", lambda: self._start(run_id)))
             self._went_down("checking /health", why)

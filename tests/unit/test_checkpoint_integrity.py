@@ -138,3 +138,46 @@ def test_data_fingerprint_is_the_rows_content(tmp_path):
     rows[1]["completion"] = " GREEN"
     c = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "c.jsonl", rows), "train"))
     assert a == b != c and a.startswith("sha256-")
+
+
+class _RunsCode:
+    """A pickle whose loading would run code (it creates the file named by `path`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+@pytest.mark.parametrize("target", ["training_state/optimizer.pt", "training_state/scheduler.pt",
+                                    "training_state/rng.pt"])
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_not_run(target, tiny_model, tmp_path, capsys):
+    """Someone who can write to a run's output prefix plants a pickle that runs code, and rewrites
+    the marker to match: resuming (as pipelines do, with `auto`) refuses it in one line and exits 2;
+    the code never runs and no final model is written."""
+    import torch
+
+    out = tmp_path / "run"
+    run_sft(sft_config(tiny_model, out, max_steps=4))
+    ckpt_dir, ran = out / "checkpoint-2", tmp_path / "code-ran"
+    for name in (ckpt.COMPLETE_MARKER, "model.safetensors", "alignflow.json"):  # back to "killed after step 2"
+        (out / name).unlink()
+    torch.save({"state": _RunsCode(str(ran))}, ckpt_dir / target)
+    data = marker(ckpt_dir)
+    data["files"] = ckpt.file_list(ckpt_dir)  # the attacker makes the marker agree
+    (ckpt_dir / ckpt.COMPLETE_MARKER).write_text(json.dumps(data))
+
+    argv = ["train", "sft", "--model", tiny_model, "--dataset", "demo", "--output_dir", str(out), "--max_steps", "4",
+            "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--logging_steps", "1", "--max_length", "128",
+            "--num_sample_completions", "0", "--disable_progress_bar", "true", "--save_steps", "2",
+            "--save_total_limit", "0", "--resume_from_checkpoint", "auto"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert not ran.exists(), "the crafted pickle ran"
+    if target.endswith("rng.pt"):  # not read at all any more (rng.json replaced it): the run resumes and finishes
+        assert code == 0 and ckpt.is_complete(str(out))
+        return
+    assert code == 2 and "refuses to unpickle" in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if "error" in line.lower()]) == 1, err
+    assert not ckpt.is_complete(str(out))

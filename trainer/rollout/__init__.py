@@ -9,6 +9,7 @@ Only `vllm_engine.py` imports vllm, and only when a vLLM engine is made.
 
 from __future__ import annotations
 
+from trainer.extras import MissingExtra, message
 from trainer.rollout.base import Completion, RolloutEngine, SamplingConfig
 from trainer.rollout.hf import HFEngine
 
@@ -36,8 +37,7 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
     from trainer.rollout import vllm_engine
 
     if not vllm_engine.vllm_available():
-        raise ImportError(f"rollout engine {kind!r} needs vllm: pip install 'alignflow[cpu]' (CPU) or "
-                          "'alignflow[gpu]', or use the 'hf' engine")
+        raise MissingExtra(message("vllm", f"The {kind!r} rollout engine (the 'hf' engine needs nothing more)"))
     if kind == "vllm":
         return vllm_engine.VLLMEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
                                       gpu_memory_utilization=gpu_memory_utilization)
