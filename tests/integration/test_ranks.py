@@ -5,7 +5,9 @@ starts real ranks through `accelerate launch`, with plain DDP or DeepSpeed ZeRO-
 full fine-tuning and for LoRA. One rank trains with per_device_batch_size B, two with B/2 each;
 after 6 steps the weights must agree within 1e-4 (float32 reductions in another order differ at
 ~1e-6), and must have moved far more than that. A two-rank run killed with SIGKILL after a step
-checkpoint resumes (`resume_from_checkpoint auto`) to the weights of an uninterrupted run.
+checkpoint resumes (`resume_from_checkpoint auto`) to the weights of an uninterrupted run. PPO under
+ZeRO-2 / ZeRO-3 (issue 14) is compared the same way, with its value function: the value head, and the
+critic network on ZeRO-3 (PPO on plain DDP: tests/integration/test_ppo_multiprocess.py).
 """
 
 import json
@@ -15,10 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.helpers import (
     DEMO_DATA,
     ROOT,
+    classifier_checkpoint,
     history,
     kill_after_checkpoint,
     max_difference,
@@ -27,6 +32,7 @@ from tests.helpers import (
     weights,
 )
 from trainer import checkpoint as ckpt
+from trainer.distributed import RANK_REPORT_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -98,6 +104,71 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
     evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in (history(out)[-1], history(reference)[-1])]
     if stage != "grpo":  # the final evaluation of the held-out split, scored in shares by the ranks
         assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-4)
+
+
+def ppo_args(model: str, critic: str, data: Path, per_rank: int) -> tuple[str, ...]:
+    """Two PPO steps (2 optimizer steps each) on `per_rank` rollouts per rank in one mini-batch, in
+    micro-batches of 4 (gradient accumulation), so that N ranks compute what one process computes on
+    the same global batch: the same micro-batches, averaged the same way. The learning rate is the
+    other stages' 1e-3: ZeRO-3's float32 noise, which Adam amplifies in the weights whose gradient is
+    near zero, grows with it (up to 1.6e-4 here at 1e-2, 4.9e-5 at 3e-3; ZeRO-2 1.5e-5 and DDP
+    3.9e-6 at 1e-2)."""
+    extra = ("--critic", critic, "--critic_model", str(data / "rm")) if critic == "reward_model" else ()
+    return ("--model", model, "--dataset", str(data / "prompts.jsonl"), "--reward_funcs",
+            "tests.helpers:target_frequency", "--batch_size", str(per_rank), "--mini_batch_size", str(per_rank),
+            "--per_device_batch_size", "4", "--ppo_epochs", "2", "--max_completion_length", "8",
+            "--max_prompt_length", "32", "--max_steps", "4", "--save_steps", "0", "--logging_steps", "1",
+            "--learning_rate", "1e-3", "--init_kl_coef", "0.05", "--seed", "3", "--disable_progress_bar", "true",
+            *extra)
+
+
+@pytest.fixture(scope="module")
+def ppo_inputs(tiny_model, tmp_path_factory):
+    """Prompts and a reward-model checkpoint (the critic's start), and the one-process PPO run of each
+    critic on 16 rollouts per step, made once and shared by the modes compared with it."""
+    data = tmp_path_factory.mktemp("ppo-inputs")
+    prompts_file(data / "prompts.jsonl", n=32)
+    classifier_checkpoint(tiny_model, data / "rm", scale=5)
+    made: dict[str, Path] = {}
+
+    def one_rank(critic: str) -> Path:
+        if critic not in made:
+            made[critic] = data / f"one-{critic}"
+            train_cli("ppo", *ppo_args(tiny_model, critic, data, 16), "--output_dir", str(made[critic]))
+        return made[critic]
+
+    return data, one_rank
+
+
+@pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero2"), ("value_head", "zero3"),
+                                              ("reward_model", "zero3")])
+def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, ppo_inputs, tmp_path):
+    """PPO on two ranks under DeepSpeed ZeRO, 8 rollouts each, ends with the policy and value function
+    (value_head.safetensors, or the critic network in critic/) one process trains on the same 16."""
+    data, one_rank = ppo_inputs
+    reference, out, reports = one_rank(critic), tmp_path / "out", tmp_path / "ranks"
+    train_cli("ppo", *ppo_args(tiny_model, critic, data, 8), "--output_dir", str(out), "--num_processes", "2",
+              *MODES[mode], env={RANK_REPORT_ENV: str(reports)})
+    manifest = json.loads((out / ckpt.MANIFEST).read_text())
+    assert (manifest["world_size"], manifest["zero_stage"]) == (2, {"zero2": 2, "zero3": 3}[mode])
+    ranks = [json.loads((reports / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"], "policy and value function differ between ranks"
+
+    trained = {"model": (weights(out), weights(reference), weights(tiny_model))}
+    if critic == "reward_model":  # the critic network, saved as a reward-model folder
+        trained["critic/"] = (weights(out / "critic"), weights(reference / "critic"), weights(data / "rm"))
+    else:
+        two, one = (load_file(folder / "value_head.safetensors") for folder in (out, reference))
+        trained["value head"] = (two, one, {k: torch.zeros_like(t) for k, t in one.items()})  # starts at zero
+    for name, (two, one, start) in trained.items():
+        assert max_difference(two, one) < 1e-4, name
+        assert max_difference(one, start) > 1e-3, f"{name}: training barely moved it; the comparison means nothing"
+
+    last, ref_last = ([r for r in history(folder) if "num_tokens" in r][-1] for folder in (out, reference))
+    assert last["step"] == ref_last["step"] == 4
+    assert last["num_tokens"] == ref_last["num_tokens"]
+    for key in ("loss", "ppo/loss/value", "objective/scores"):
+        assert last[key] == pytest.approx(ref_last[key], abs=1e-4), key
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
