@@ -23,6 +23,9 @@ PERCENT_STEP = 25  # ...or every time this much more of the work is done
 # The numbers read first, in this order (KL under the names GRPO, PPO and evaluation log it).
 KEY_METRICS = ("loss", "reward", "kl", "objective/kl", "learning_rate")
 SHORT_NAMES = {"learning_rate": "lr", "objective/kl": "kl"}
+# Next, when the stage logs them; then the rest in the stage's order.
+SECONDARY_METRICS = ("eval_loss", "eval_reward", "accuracy", "rewards/margins", "rewards/accuracies", "reward_std",
+                     "grad_norm", "entropy", "completions/mean_length", "epoch")
 # Not shown on the step line (timing/*, rank spreads, token counts: MLflow has them).
 HIDDEN_PREFIXES = ("timing/", "num_tokens", "step_time")
 
@@ -52,12 +55,14 @@ def format_step_line(step: int, total: int, metrics: dict[str, float], elapsed: 
                      width: int = STEP_LINE_WIDTH) -> str:
     """`step 12/200 loss=0.412 kl=0.013 lr=1e-05 | grad_norm=1.2 ... | 1m02s, ETA 14m30s`, at most `width` chars.
 
-    Key metrics (`KEY_METRICS`) come first, then the others in their given order; metrics that do
-    not fit are dropped and counted (`+5 more`). The step count and the ETA are always kept."""
+    Key metrics (`KEY_METRICS`) come first, then `SECONDARY_METRICS`, then the others in their given
+    order; metrics that do not fit are dropped and counted (`+5 more`). The step count and the ETA
+    are always kept."""
     head = f"step {step}/{total}"
     tail = f"| {format_duration(elapsed)}, ETA {format_duration(eta) if eta is not None else '?'}"
     keys = [k for k in KEY_METRICS if k in metrics]
-    rest = [k for k in metrics if k not in keys and not k.startswith(HIDDEN_PREFIXES)]
+    rest = [k for k in SECONDARY_METRICS if k in metrics]
+    rest += [k for k in metrics if k not in keys and k not in rest and not k.startswith(HIDDEN_PREFIXES)]
     items = [f"{SHORT_NAMES.get(k, k)}={_number(metrics[k])}" for k in keys]
     others = [f"{k}={_number(metrics[k])}" for k in rest]
     items += ["|", *others] if items and others else others

@@ -20,7 +20,8 @@ GRPO_METRICS = {
 
 def test_step_line_puts_loss_reward_kl_lr_first_and_ends_with_the_eta():
     line = format_step_line(12, 200, GRPO_METRICS, elapsed=62.0, eta=870.0)
-    assert line.startswith("step 12/200 loss=0.0123 reward=0.562 kl=0.0042 lr=9.5e-05 | grad_norm=0.812 "), line
+    assert line.startswith("step 12/200 loss=0.0123 reward=0.562 kl=0.0042 lr=9.5e-05 | reward_std=0.43 grad_norm=0.812 "
+                           "entropy=3.22 "), line
     assert line.endswith("| 1m02s, ETA 14m30s"), line
     assert "timing/" not in line and "num_tokens" not in line  # MLflow has those; the line does not
 
