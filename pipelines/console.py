@@ -189,6 +189,7 @@ class TaskConsole(io.TextIOBase):
                 task.status = m.group(2)
                 if task.status == "FAILURE":
                     self._failed(task)
+                    del self.tasks[me]  # what follows (a retry, skipped tasks) is kfp.local's, not the task's
             elif task and (m := OUTPUTS.match(message)) and task.status == "SUCCESS":
                 outputs = parse_outputs(message)
                 self.summary.outputs[task.name] = outputs
@@ -196,6 +197,7 @@ class TaskConsole(io.TextIOBase):
                     numbers = describe_outputs(task.name, outputs)
                     self._say(f"{task.name}: done in {format_duration(time.perf_counter() - task.started)}"
                               + (f", {numbers}" if numbers else ""))
+                del self.tasks[me]
             elif m := CACHE_HIT.match(message):
                 self._say(f"{m.group(1)}: cached (outputs of an earlier run reused)")
             elif m := RETRY.match(message):
