@@ -213,7 +213,6 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
                 raise
             raise PipelineFailed(f"task {console.summary.failed} failed; its full log: "
                                  f"{console.summary.failed_log}") from err
-    log.info("Pipeline finished in %.0fs.", time.perf_counter() - started)
     return {"pipeline_root": str(local_root), "tracking_uri": os.environ["MLFLOW_TRACKING_URI"],
             "seconds": time.perf_counter() - started, "logs": str(log_dir),
             "gate": _gate_reason(console.summary.outputs), "champion": _champion(config.model_name)}
