@@ -3,6 +3,7 @@
     alignflow pipeline validate --config FILE.yaml
     alignflow pipeline compile [--out FILE.yaml] [--config FILE.yaml]
     alignflow pipeline run --local --config FILE.yaml [--output DIR] [--pipeline-root DIR|s3://...] [--retries N]
+                                                      [--cache] [--verbose]
     alignflow pipeline submit --host URL --config FILE.yaml [--namespace NS] [--token-file F] [--run-name N] [--wait]
     alignflow pipeline schedule --host URL --config FILE.yaml --cron "0 0 3 * * *" [--namespace NS] [--token-file F]
     alignflow chat MODEL [--prompt TEXT] [--engine hf|vllm] [...]   (trainer.chat)
@@ -47,6 +48,8 @@ def pipeline(argv: list[str]) -> int:
     run.add_argument("--cache", action="store_true",
                      help="Reuse the outputs of tasks whose inputs did not change (kfp.local's cache, under the "
                           "pipeline root).")
+    run.add_argument("--verbose", action="store_true",
+                     help="Show every task's full log as it runs (always written to OUTPUT/logs/<task>.log).")
     for name, text in (("submit", "Submit one run to a KFP cluster."),
                        ("schedule", "Create a recurring run (scheduled retraining) on a KFP cluster.")):
         p = sub.add_parser(name, help=text)
@@ -92,14 +95,9 @@ def pipeline(argv: list[str]) -> int:
         elif args.command == "compile":
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
-            from trainer.tracking import redact_uri
-
-            out = pipeline_run.run_local(config, args.output, args.pipeline_root, args.retries, args.cache)
-            tracking = redact_uri(out["tracking_uri"])
-            print(f"Pipeline run finished in {out['seconds']:.0f}s.\n"
-                  f"  task outputs:  {out['pipeline_root']}\n"
-                  f"  MLflow:        {tracking}\n"
-                  f"  browse it:     mlflow ui --backend-store-uri {tracking}")
+            out = pipeline_run.run_local(config, args.output, args.pipeline_root, args.retries, args.cache,
+                                         args.verbose)
+            print(_local_summary(out, config.model_name))
         else:
             target = cluster.Cluster(args.host, args.namespace, args.token_file, args.ui_host)
             if args.command == "submit":
@@ -112,7 +110,27 @@ def pipeline(argv: list[str]) -> int:
         from trainer.config import ConfigError
 
         raise ConfigError(str(err)) from err
+    except pipeline_run.PipelineFailed as err:  # the failed task's log tail is already on the console
+        print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _local_summary(out: dict, model_name: str) -> str:
+    from trainer.progress import format_duration
+    from trainer.tracking import redact_uri
+
+    tracking = redact_uri(out["tracking_uri"])
+    champion = f"{model_name} version {out['champion']}" if out.get("champion") else f"none registered for {model_name}"
+    lines = [f"Pipeline run finished in {format_duration(out['seconds'])}."]
+    if out.get("gate"):
+        lines.append(f"  gate:          {out['gate']}")
+    lines += [f"  @champion:     {champion}",
+              f"  task logs:     {out['logs']}/<task>.log (--verbose shows them live)",
+              f"  task outputs:  {out['pipeline_root']}",
+              f"  MLflow:        {tracking}",
+              f"  browse it:     mlflow ui --backend-store-uri {tracking}"]
+    return "\n".join(lines)
 
 
 def _submit(target, config, args: argparse.Namespace) -> int:

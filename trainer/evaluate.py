@@ -47,6 +47,7 @@ from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, is_conversational, load_rows
 from trainer.losses import combine_rewards
 from trainer.models import load_causal_lm, load_tokenizer, model_and_tokenizer, resolve_model_path
+from trainer.progress import Reporter
 from trainer.rewards import RewardModelScorer, load_reward_function, reward_name, score_completions
 from trainer.rollout import Completion, SamplingConfig, make_engine
 from trainer.tracking import Tracker
@@ -166,8 +167,10 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def generate(model, tokenizer, prompts: list, config: EvalConfig) -> tuple[list[list[int]], list[Completion]]:
-    """One completion per prompt, `batch_size` prompts per call. -> (prompt token ids, completions)."""
+def generate(model, tokenizer, prompts: list, config: EvalConfig,
+             desc: str = "generating") -> tuple[list[list[int]], list[Completion]]:
+    """One completion per prompt, `batch_size` prompts per call, with progress (trainer/progress.py: a bar
+    on a terminal, a line every 30 s or 25 % elsewhere). -> (prompt token ids, completions)."""
     encoded = [prompt_token_ids(p, tokenizer, config.max_prompt_length) for p in prompts]
     engine = make_engine("hf", model=model, tokenizer=tokenizer, model_path="", seed=config.seed,
                          max_model_len=config.max_prompt_length + config.max_completion_length)
@@ -175,9 +178,10 @@ def generate(model, tokenizer, prompts: list, config: EvalConfig) -> tuple[list[
     sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               top_p=config.top_p, stop_token_ids=[eos] if eos is not None else [])
     completions: list[Completion] = []
-    with engine:
+    with engine, Reporter(len(encoded), desc, unit="prompts", logger=log) as bar:
         for start in range(0, len(encoded), config.batch_size):
             completions += [group[0] for group in engine.generate(encoded[start:start + config.batch_size], sampling)]
+            bar.update(len(encoded[start:start + config.batch_size]))
     return encoded, completions
 
 
@@ -302,7 +306,7 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
         if baseline_path:
             base_tokenizer = load_tokenizer(baseline_path, config.trust_remote_code)
             base_model = load_causal_lm(baseline_path, config.dtype, config.trust_remote_code).to(device).eval()
-            _, base_completions = generate(base_model, base_tokenizer, prompts, config)
+            _, base_completions = generate(base_model, base_tokenizer, prompts, config, desc="generating (baseline)")
             del base_model
             baseline_texts = decode(base_tokenizer, base_completions)
             baseline_shaped = shape_like_prompts(baseline_texts, prompts)

@@ -1,19 +1,16 @@
 """Leaf helpers every training stage's loop uses: seeding, optimizer and schedule, the
-resumable data order, and progress reporting. No loop lives here; each stage owns its own."""
+resumable data order and the metric window (progress lines: trainer/progress.py). No loop lives
+here; each stage owns its own."""
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import os
 import sys
-import time
 from collections import defaultdict
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def set_seed(seed: int) -> None:
@@ -122,27 +119,3 @@ class MetricWindow:
         if state:
             self.sums.update(state["sums"])
             self.counts.update(state["counts"])
-
-
-class Progress:
-    """A tqdm bar on a terminal; plain log lines every logging step everywhere (KFP logs, CI)."""
-
-    def __init__(self, total: int, initial: int, desc: str, disable: bool = False) -> None:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
-                        disable=disable or not sys.stderr.isatty())
-        self.start = time.perf_counter()
-        self.total = total
-
-    def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
-        self.bar.update(step - self.bar.n)
-        if metrics:
-            shown = {k: f"{v:.4g}" for k, v in metrics.items() if k in ("loss", "reward", "eval_loss", "accuracy")}
-            self.bar.set_postfix(shown, refresh=False)
-            if self.bar.disable:
-                text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-                log.info("step %d/%d %s (%.1fs)", step, self.total, text, time.perf_counter() - self.start)
-
-    def close(self) -> None:
-        self.bar.close()

@@ -38,7 +38,8 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer import distributed, hub, storage
-from trainer.loop import MetricWindow, Progress, build_optimizer, build_scheduler, set_seed, step_batches
+from trainer.loop import MetricWindow, build_optimizer, build_scheduler, set_seed, step_batches
+from trainer.progress import Progress
 from trainer.storage import is_remote
 
 log = logging.getLogger(__name__)

@@ -10,6 +10,9 @@ the object store's 5xx answers with exponential backoff (1 s doubling to 30 s) f
 ``ALIGNFLOW_S3_RETRY_SECONDS`` (default 180 s), then raises a one-line `StorageError`. An upload
 retries file by file, so the checkpoint's marker, written last, is only written once every file
 is there: a store that stays down leaves the previous checkpoint the newest complete one.
+
+Transfers of `PROGRESS_MIN_BYTES` or more show their progress (trainer/progress.py: a bar on a
+terminal, a line every 30 s or 25 % otherwise), fed by fsspec's transfer callbacks.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from fsspec.callbacks import Callback
+
 from trainer.extras import require
+from trainer.progress import Reporter
 
 log = logging.getLogger(__name__)
+PROGRESS_MIN_BYTES = 64 * 2**20  # smaller transfers take seconds: no progress lines
 
 RETRY_ENV = "ALIGNFLOW_S3_RETRY_SECONDS"
 DEFAULT_RETRY_SECONDS = 180.0
@@ -140,13 +147,43 @@ def fetch_to_local(uri: str, dest: str | Path | None = None) -> str:
     if not exists:
         raise FileNotFoundError(f"{uri!r} does not exist.")
     dest = Path(dest) if dest else local_cache_path(uri)
+    total = (retrying(uri, "read", lambda: fs.info(uri).get("size") or 0) if is_file
+             else sum(size or 0 for size in find_sizes(uri).values()))
     if is_file:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        retrying(uri, "download", lambda: fs.get(uri, str(dest)))
+        retrying(uri, "download", lambda: _transfer(f"download {uri}", total, lambda callback: fs.get(
+            uri, str(dest), callback=callback)))
         return str(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    retrying(uri, "download", lambda: fs.get(uri.rstrip("/") + "/", str(dest) + "/", recursive=True))
+    retrying(uri, "download", lambda: _transfer(f"download {uri}", total, lambda callback: fs.get(
+        uri.rstrip("/") + "/", str(dest) + "/", recursive=True, callback=callback)))
     return str(dest)
+
+
+class _Bytes(Callback):
+    """fsspec's callback for a transfer: the bytes it moves go to `bar`. When fs.get/put move several
+    files, each file's bytes come through the child callback of `branched`, and this one's own
+    count (of files) is left out."""
+
+    def __init__(self, bar: Reporter) -> None:
+        super().__init__()
+        self.bar, self.many = bar, False
+
+    def branched(self, path_1: str, path_2: str, **kwargs) -> _Bytes:
+        self.many = True
+        return _Bytes(self.bar)
+
+    def relative_update(self, inc: int = 1) -> None:
+        super().relative_update(inc)
+        if not self.many:
+            self.bar.update(inc)
+
+
+def _transfer(what: str, total: int, call: Callable[[Callback], _T]) -> _T:
+    """`call(callback)` with progress over `total` bytes (none below PROGRESS_MIN_BYTES); each attempt
+    (see `retrying`) counts afresh."""
+    with Reporter(total, what, bytes_=True, disable=total < PROGRESS_MIN_BYTES, logger=log) as bar:
+        return call(_Bytes(bar))
 
 
 def upload_dir(local: str | Path, uri: str, exclude: tuple[str, ...] = ()) -> None:
@@ -154,11 +191,18 @@ def upload_dir(local: str | Path, uri: str, exclude: tuple[str, ...] = ()) -> No
     Each file is retried on its own (`retrying`), so an outage mid-upload resumes at the file it stopped at."""
     fs = filesystem(uri)
     local = Path(local)
-    for path in sorted(local.rglob("*")):
-        rel = path.relative_to(local).as_posix()
-        if path.is_file() and rel not in exclude:
-            target = f"{uri.rstrip('/')}/{rel}"
-            retrying(target, "upload to", lambda path=path, target=target: fs.put_file(str(path), target))
+    files = [(path, path.relative_to(local).as_posix()) for path in sorted(local.rglob("*")) if path.is_file()]
+    files = [(path, rel) for path, rel in files if rel not in exclude]
+    total = sum(path.stat().st_size for path, _ in files)
+    with Reporter(total, f"upload to {uri}", bytes_=True, disable=total < PROGRESS_MIN_BYTES, logger=log) as bar:
+        for path, rel in files:
+            target, base = f"{uri.rstrip('/')}/{rel}", bar.done
+
+            def put(path=path, target=target, base=base) -> None:
+                bar.update(base - bar.done)  # a retried file counts from its start again
+                fs.put_file(str(path), target, callback=_Bytes(bar))
+
+            retrying(target, "upload to", put)
 
 
 def join(base: str, *parts: str) -> str:

@@ -38,6 +38,9 @@ FAST = {
 }
 
 
+CONSOLE_LINES = 40  # of a whole local run (the demo's budget is 60; docs/pipelines.md)
+
+
 def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.CompletedProcess:
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**FAST, **overrides}))
@@ -54,6 +57,11 @@ def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, ml
 
     first = run_pipeline(tmp_path, "first", env, base_model=tiny_model)
     assert first.returncode == 0, first.stderr[-3000:]
+    # The console: a line per task start and end and a summary; each task's whole log in its own file.
+    console = _plain(first.stdout + first.stderr).splitlines()
+    assert len(console) <= CONSOLE_LINES, "\n".join(console)
+    assert re.search(r"\] grpo: done in \d+\S*, reward=", "\n".join(console)) and "  @champion:     pipeline-test version 1" in console
+    assert "executor_input" not in "\n".join(console) and "step 3/3" in (tmp_path / "first/logs/grpo.log").read_text()
 
     client = MlflowClient(mlflow_server)
     model = client.get_registered_model("pipeline-test")
@@ -158,7 +166,7 @@ def test_a_killed_sft_task_is_retried_and_resumes_from_its_checkpoint_in_s3(tiny
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
                                  str(config), "--output", str(tmp_path / "out"), "--pipeline-root", root,
-                                 "--retries", "1"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+                                 "--retries", "1", "--verbose"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             fs = storage.filesystem(root)
             deadline = time.monotonic() + 600
@@ -223,7 +231,7 @@ def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp
     log = _plain(result.stdout + result.stderr)
     assert result.returncode != 0
     assert "`algorithm` must be one of grpo, dpo, ppo (lower case), got 'GRPO'." in log
-    executed = re.findall(r"Executing task '([\w-]+)'", log)
+    executed = re.findall(r"\] ([\w-]+): started", log)
     assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
     assert "Task 'check-inputs' finished with status FAILURE" in log
     assert seconds < 120, f"took {seconds:.0f}s"
@@ -250,7 +258,7 @@ def test_a_second_run_is_served_from_the_cache_until_its_data_changes(tiny_model
                                 env=env, capture_output=True, text=True, timeout=900)
         log = _plain(result.stdout + result.stderr)
         assert result.returncode == 0, log[-3000:]
-        return set(re.findall(r"Executing task '([\w-]+)'", log)), set(re.findall(r"Task '?([\w-]+)'? cache hit", log))
+        return set(re.findall(r"\] ([\w-]+): started", log)), set(re.findall(r"\] ([\w-]+): cached", log))
 
     training = {"sft", "reward-model", "dpo"}
     executed, hits = run()
@@ -280,7 +288,7 @@ def test_gpus_per_node_runs_ranks_inside_the_task(tiny_model, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
                              str(config), "--output", str(out)], env=env, capture_output=True, text=True, timeout=900)
-    log = _plain(result.stdout + result.stderr)
+    log = _plain(result.stdout + result.stderr + "".join(p.read_text() for p in (out / "logs").glob("*.log")))
     assert result.returncode == 0, log[-4000:]
     assert "sft: cpu, 2 processes (MULTI_CPU)" in log and "dpo: cpu, 2 processes (DEEPSPEED)" in log, log[-4000:]
     for stage, zero in (("sft", None), ("dpo", 2)):

@@ -162,6 +162,18 @@ def test_max_samples_and_no_reward_functions(answers_seven, gsm_like, tmp_path):
     assert "reward" not in metrics
 
 
+def test_generation_reports_progress_off_a_terminal(answers_seven, gsm_like, tmp_path, caplog):
+    """Off a terminal a line every 25 % of the prompts (or 30 s), and one at the end: 1/3, 2/3, 3/3."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="trainer.evaluate"):
+        run_evaluate(_config(tmp_path, model=answers_seven, dataset=gsm_like, batch_size=1))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generating")]
+    assert [line.split(",")[0] for line in lines] == ["generating: 1/3 prompts (33%)", "generating: 2/3 prompts (67%)",
+                                                      "generating: 3/3 prompts (100%)"], lines
+    assert all("ETA" in line for line in lines)
+
+
 def test_chat_prompts_get_chat_completions(answers_seven, tmp_path):
     """A chat prompt is rendered with the template, and reward functions receive
     [{"role": "assistant", "content": ...}] completions, as in TRL."""

@@ -1,0 +1,41 @@
+"""The shell scripts pick the project's .venv interpreter when it exists (a fresh clone after
+scripts/setup.sh has torch only there), python3 otherwise, and an explicit PYTHON always."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_python(path: Path, name: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\necho "{name} $*"\nexit 3\n')  # fail at once: the script stops there
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("script", ["get_smollm2.sh", "get_minilm.sh", "gpu_check.sh"])
+def test_scripts_use_the_venv_then_python3_and_honour_PYTHON(script, tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / script, repo / "scripts" / script)
+    bin_dir = tmp_path / "bin"
+    fake_python(bin_dir / "python3", "path-python3")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", ALIGNFLOW_CACHE=str(tmp_path / "cache"))
+
+    def first_call(**extra) -> str:
+        result = subprocess.run(["bash", str(repo / "scripts" / script), str(tmp_path / "out")],
+                                env={**env, **extra}, capture_output=True, text=True, timeout=30)
+        assert result.returncode != 0
+        return (result.stdout + result.stderr).strip().splitlines()[-1]
+
+    assert first_call().startswith("path-python3 ")
+    fake_python(repo / ".venv" / "bin" / "python", "venv-python")
+    assert first_call().startswith("venv-python ")
+    explicit = fake_python(tmp_path / "chosen", "chosen-python")
+    assert first_call(PYTHON=str(explicit)).startswith("chosen-python ")
