@@ -5,7 +5,7 @@ uninterrupted run.
 The kills land anywhere: during imports and model loading, mid-step, while a checkpoint is
 being written or rotated (a random 0-1.5 s after the newest checkpoint, or one or two steps later,
 is complete). Each episode is one output folder killed until a restart finishes; the suite runs
-episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (2 in CI; docs/reliability.md
+episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (4 in CI; docs/reliability.md
 quotes a run with 20). `ALIGNFLOW_FAULT_REPORT=FILE` appends each stage's figures as a JSON line.
 """
 
@@ -27,7 +27,7 @@ from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 
-KILLS = int(os.environ.get("ALIGNFLOW_FAULT_KILLS", "2"))
+KILLS = int(os.environ.get("ALIGNFLOW_FAULT_KILLS", "4"))
 STEPS = 8
 COMMON = ("--max_steps", str(STEPS), "--logging_steps", "3", "--save_steps", "1", "--save_total_limit", "2",
           "--disable_progress_bar", "true", "--seed", "5", "--learning_rate", "3e-3")
