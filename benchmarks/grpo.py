@@ -38,6 +38,17 @@ log-prob passes inside `_generate_and_score_completions` -> reference (none with
 num_iterations=1), the rest of the step (loss, backward, clip, optimizer) -> update. "other"
 is what the phases leave of the step (batching, advantages, bookkeeping, logging).
 Generated tok/s counts completion tokens per step / step time; total tok/s adds the prompts'.
+
+Floor table: two probe children (same threads and environment as the runs; one before, one
+after; the faster counts) time torch.matmul of 2048 x 2048 bf16 and fp32 matrices and a 512 MiB
+tensor copy (bytes read + written). Each phase of each median run is set against them, with the
+work counted from N = the model's nn.Linear parameters (LM head included) and tokens = each
+prompt once per group + the generated tokens: update 6 N tokens FLOPs; reference 2 N tokens per
+forward-only pass (beta > 0; num_iterations > 1); generate 2 N tokens FLOPs and, as decode,
+N x weight bytes x new-token steps (bf16 vLLM: 2 bytes, else 4; KV-cache reads left out); sync
+N x (4 + weight bytes); the step all FLOPs. The JSON adds `peaks`, `probes`, `parameters`, `floor`.
+`--set FIELD=VALUE` overrides GRPOConfig fields of the alignflow runs and `--child-env NAME=VALUE`
+(NAME= unsets) the training children's environment, for A/B runs of settings.
 """
 
 from __future__ import annotations
