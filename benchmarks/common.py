@@ -245,11 +245,18 @@ def measure(script: str, child_args: Sequence[str], env: dict[str, str], timeout
     return {**child.result, "peak_rss_mb": child.peak_rss_mb, "wall_s": child.wall_s}
 
 
-def run_one(script: str, spec: dict, work: Path, threads: int, timeout: float, vllm: bool = False) -> dict | None:
-    """One training run in its own process, with its own output folder and datasets cache."""
+def run_one(script: str, spec: dict, work: Path, threads: int, timeout: float, vllm: bool = False,
+            env_overrides: dict[str, str] | None = None) -> dict | None:
+    """One training run in its own process, with its own output folder and datasets cache.
+    `env_overrides` change the child's environment last (an empty value removes the variable)."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     spec = {**spec, "out_dir": str(run_dir / "out")}
     env = child_env(threads, vllm, HF_DATASETS_CACHE=str(run_dir / "datasets-cache"))
+    for key, value in (env_overrides or {}).items():
+        if value:
+            env[key] = value
+        else:
+            env.pop(key, None)
     try:
         return measure(script, [json.dumps(spec)], env, timeout)
     finally:
@@ -257,14 +264,15 @@ def run_one(script: str, spec: dict, work: Path, threads: int, timeout: float, v
 
 
 def run_trainers(script: str, runs: Iterable[tuple[str, dict, dict]], work: Path, threads: int, timeout: float,
-                 show: Callable[[dict], str], vllm: bool = False) -> list[dict]:
+                 show: Callable[[dict], str], vllm: bool = False,
+                 env_overrides: dict[str, str] | None = None) -> list[dict]:
     """Run each (label, row, spec) in turn with `run_one`, logging progress; for each run that finished,
     `row` (what identifies it) with its result."""
     started = clock()
     rows = []
     for label, row, spec in runs:
         print(f"[{clock() - started:6.0f}s] {label} ...", file=sys.stderr, flush=True)
-        result = run_one(script, spec, work, threads, timeout, vllm)
+        result = run_one(script, spec, work, threads, timeout, vllm, env_overrides)
         if result is not None:
             print(f"  {show(result)}", file=sys.stderr, flush=True)
             rows.append({**row, **result})
@@ -592,3 +600,88 @@ def write_json(path: Path, benchmark: str, args: argparse.Namespace, runs: list[
             raise
     os.replace(tmp.name, path)
     print(f"\nwrote {path}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hardware floor: measured peaks and achieved rates
+
+
+def _best_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> list[float]:
+    """Wall seconds of `fn()` over `repeats` timed calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return times
+
+
+def matmul_peak(dtype: str, size: int = 2048, repeats: int = 15) -> dict[str, float]:
+    """FLOP/s of `torch.matmul` on two `size` x `size` matrices of `dtype` (torch's thread count):
+    `peak` from the fastest call, `median` over all (on a shared machine the fastest is the capability)."""
+    import torch
+
+    a, b = (torch.randn(size, size).to(getattr(torch, dtype)) for _ in range(2))
+    out = torch.empty(size, size, dtype=a.dtype)
+    times = _best_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+    flops = 2.0 * size**3
+    return {"peak": flops / min(times), "median": flops / median(times), "size": size}
+
+
+def copy_peak(megabytes: int = 512, repeats: int = 15) -> dict[str, float]:
+    """Bytes/s of a large tensor copy, counting what it reads and what it writes (2 x its size)."""
+    import torch
+
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = _best_seconds(lambda: dst.copy_(src), repeats)
+    moved = 2.0 * src.numel() * src.element_size()
+    return {"peak": moved / min(times), "median": moved / median(times), "megabytes": megabytes}
+
+
+def machine_peaks() -> dict[str, Any]:
+    """The probes a floor table compares against: bf16 and fp32 matmul FLOP/s and copy bytes/s."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "matmul_bf16": matmul_peak("bfloat16"),
+            "matmul_fp32": matmul_peak("float32"), "copy": copy_peak(),
+            "load_average": list(os.getloadavg())}
+
+
+def matmul_parameters(model_dir: Path) -> dict[str, Any]:
+    """Parameter counts of a causal LM folder, built on the meta device (no weights read):
+    `params` (all, tied ones once) and `matmul_params` (weights of `nn.Linear` layers, the LM head
+    included: the ones every token multiplies; embedding lookups and norms are not)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return {"params": sum(p.numel() for p in model.parameters()), "matmul_params": linear,
+            "tied": bool(getattr(config, "tie_word_embeddings", False))}
+
+
+def best_peaks(*probes: dict[str, Any]) -> dict[str, Any]:
+    """Per probe, the run with the highest peak (on a shared machine, the quietest moment)."""
+    out = dict(probes[0])
+    for probe in probes[1:]:
+        for key in ("matmul_bf16", "matmul_fp32", "copy"):
+            if probe[key]["peak"] > out[key]["peak"]:
+                out[key] = probe[key]
+    return out
+
+
+def floor_row(phase: str, seconds: float | None, work: float | None, unit: str, peak: float | None) -> list:
+    """One row of a floor table: phase, seconds, work, achieved rate, peak and % of peak."""
+    achieved = work / seconds if work and seconds else None
+    share = 100 * achieved / peak if achieved and peak else None
+    scale = 1e9
+    return [phase, seconds, None if work is None else work / scale, unit,
+            None if achieved is None else achieved / scale, None if peak is None else peak / scale, share]
+
+
+FLOOR_HEADERS = ["phase", "s/step", "work (G)", "unit", "achieved (G/s)", "peak (G/s)", "% of peak"]

@@ -38,10 +38,22 @@ log-prob passes inside `_generate_and_score_completions` -> reference (none with
 num_iterations=1), the rest of the step (loss, backward, clip, optimizer) -> update. "other"
 is what the phases leave of the step (batching, advantages, bookkeeping, logging).
 Generated tok/s counts completion tokens per step / step time; total tok/s adds the prompts'.
+
+Floor table: two probe children (same threads and environment as the runs; one before, one
+after; the faster counts) time torch.matmul of 2048 x 2048 bf16 and fp32 matrices and a 512 MiB
+tensor copy (bytes read + written). Each phase of each median run is set against them, with the
+work counted from N = the model's nn.Linear parameters (LM head included) and tokens = each
+prompt once per group + the generated tokens: update 6 N tokens FLOPs; reference 2 N tokens per
+forward-only pass (beta > 0; num_iterations > 1); generate 2 N tokens FLOPs and, as decode,
+N x weight bytes x new-token steps (bf16 vLLM: 2 bytes, else 4; KV-cache reads left out); sync
+N x (4 + weight bytes); the step all FLOPs. The JSON adds `peaks`, `probes`, `parameters`, `floor`.
+`--set FIELD=VALUE` overrides GRPOConfig fields of the alignflow runs and `--child-env NAME=VALUE`
+(NAME= unsets) the training children's environment, for A/B runs of settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -111,6 +123,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
         max_completion_length=spec["new_tokens"], temperature=1.0, beta=0.0, loss_type="dapo",
         scale_rewards="group", reward_funcs=["exact_answer"], rollout_engine=spec["trainer"].split("-", 1)[1],
         seed=spec["seed"], logging_steps=1, log_completions_steps=0, save_steps=0, disable_progress_bar=True)
+    config = dataclasses.replace(config, **spec.get("overrides", {}))
     grpo.run_grpo(config)
     done = common.clock()
     history = [r for r in checkpoint.read_history(spec["out_dir"]) if "step_time" in r]
@@ -119,7 +132,9 @@ def child_alignflow(spec: dict, started: float) -> dict:
     gen_tokens = [r["completions/mean_length"] * completions for r in history]
     totals = [r["num_tokens"] for r in history]
     all_tokens = [b - a for a, b in zip([0.0, *totals[:-1]], totals)]
+    loop = [r["step_time"] for r in history[min(spec["warmup_steps"], len(history) - 1):]]
     return {**_summary(spec, step_ends, marks["train_start"], phases, gen_tokens, all_tokens),
+            "loop_s": common.median(loop),  # the stage's own step_time (generate to sync), as the CLI logs it
             "import_s": imported - started, "setup_s": marks["train_start"] - imported,
             "total_s": done - started, "reward": history[-1].get("reward")}
 
@@ -212,8 +227,93 @@ def child_trl(spec: dict, started: float) -> dict:
             "total_s": done - started, "reward": None}
 
 
+def child_probe(spec: dict, started: float) -> dict:
+    """The machine's peaks, measured in a child with the training children's threads and environment."""
+    return common.machine_peaks()
+
+
 # ----------------------------------------------------------------------------------------------
 # Parent side: data, models, the runs and the tables
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`--set KEY=VALUE` items as GRPOConfig overrides (VALUE read as JSON, else as a string);
+    exits naming an unknown field."""
+    from trainer.grpo import GRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            sys.exit(f"--set {item!r}: expected FIELD=VALUE with FIELD a GRPOConfig field (e.g. log_completions_steps=10).")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """`--child-env NAME=VALUE` items (an empty VALUE unsets NAME in the training children)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            sys.exit(f"--child-env {item!r}: expected NAME=VALUE (NAME= to unset it), e.g. OMP_WAIT_POLICY=.")
+        out[key] = value
+    return out
+
+
+def probe_peaks(work: Path, threads: int, timeout: float) -> dict:
+    """Peaks from a probe child run with the training children's environment."""
+    result = common.run_one(__file__, {"trainer": "probe", "threads": threads}, work, threads, timeout, vllm=True)
+    if result is None:
+        sys.exit("The peak probe failed (output above).")
+    return result
+
+
+def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: dict) -> list[list]:
+    """Achieved FLOP/s and bytes/s of each phase of one (median) run against the measured peaks.
+
+    Useful work, the same for every trainer: N = matmul parameters (`common.matmul_parameters`),
+    tokens = each prompt once per group + every generated token. update 6 N tokens FLOPs; reference
+    (forward-only log-prob passes: one for beta > 0, one for num_iterations > 1) 2 N tokens per pass;
+    generate 2 N tokens FLOPs and, decoding, N x weight bytes per token step (all weights read
+    once a step; KV-cache reads left out); sync N_all x (4 + weight bytes) bytes (read fp32, write
+    the engine's copy). Attention's own FLOPs (~5% at these lengths) are left out."""
+    n = counts["matmul_params"]
+    tokens = prompt_tokens + run["gen_tokens_per_step"]
+    matmul = peaks["matmul_bf16" if spec["bf16"] else "matmul_fp32"]["peak"]
+    copy = peaks["copy"]["peak"]
+    engine_bytes = 2 if spec["bf16"] and run["trainer"] == "alignflow-vllm" else 4
+    steps = spec["new_tokens"] if spec["full_length"] else run["gen_tokens_per_step"] / spec["completions"]
+    overrides = spec.get("overrides", {})
+    passes = int(overrides.get("beta", 0.0) > 0) + int(overrides.get("num_iterations", 1) > 1)
+    if run["trainer"] == "trl":
+        passes = int(run["reference_s"] > 0)
+    sync = counts["params"] * (4 + engine_bytes) if run["trainer"] == "alignflow-vllm" else None
+    return [common.floor_row("update", run["update_s"], 6.0 * n * tokens, "FLOP", matmul),
+            common.floor_row("reference", run["reference_s"], 2.0 * n * tokens * passes or None, "FLOP", matmul),
+            common.floor_row("generate", run["generate_s"], 2.0 * n * tokens, "FLOP", matmul),
+            common.floor_row("decode", run["generate_s"], n * engine_bytes * steps, "B", copy),
+            common.floor_row("sync", run["sync_s"] or None, sync, "B", copy),
+            common.floor_row("step", run["s_per_step"], 6.0 * n * tokens + 2.0 * n * tokens * (1 + passes), "FLOP",
+                             matmul)]
+
+
+def floor_report(medians: list[dict], data_info: dict, counts: dict, spec: dict, peaks: dict) -> tuple[str, list]:
+    """The floor table of every median run, and its rows as dicts for the JSON."""
+    rows, records = [], []
+    for run in medians:
+        prompt_tokens = sum(data_info[run["model"]]["prompt_tokens"])
+        case = {**spec, "new_tokens": run["new_tokens"], "completions": spec["prompts_per_step"] * run["generations"]}
+        for row in floor_rows(run, counts[run["model"]], prompt_tokens, case, peaks):
+            rows.append([run["model"], run["generations"], run["new_tokens"], run["trainer"], *row])
+            records.append(dict(zip(["model", "generations", "new_tokens", "trainer", "phase", "s_per_step",
+                                     "work_g", "unit", "achieved_g_per_s", "peak_g_per_s", "percent_of_peak"],
+                                    rows[-1])))
+    return common.format_table(["model", "G", "new tok", "trainer", *common.FLOOR_HEADERS], rows), records
 
 
 def prepare_data(source: Path, work: Path, model_dir: Path, prompts: int) -> tuple[Path, dict]:
@@ -269,9 +369,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="Mixed precision in every trainer: alignflow and TRL `bf16=True` (autocast, fp32 weights); "
                              "alignflow's vLLM then generates in bfloat16.")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="Override a GRPOConfig field in the alignflow runs (VALUE as JSON), for A/B runs; repeatable.")
+    parser.add_argument("--child-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="Set (NAME= unsets) an environment variable in the training children; repeatable.")
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"trl": child_trl, "": child_alignflow})
+        return common.child_main(json.loads(args.child), {"trl": child_trl, "probe": child_probe,
+                                                          "": child_alignflow})
 
     models = common.parse_list(args.models, ("tiny", "smollm2"), "model")
     groups = [int(g) for g in common.parse_list(args.generations)]
@@ -279,14 +384,17 @@ def main(argv: list[str] | None = None) -> None:
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
     common.require_trl(trainers)
     source = common.data_path(args.data, "gsm8k/train.jsonl")
+    overrides, env_overrides = parse_overrides(args.set), parse_env(args.child_env)
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-grpo-"))
-    runs, data_info, cases = [], {}, []
+    runs, data_info, cases, counts = [], {}, [], {}
     started = common.clock()
     try:
+        probes = [probe_peaks(work, args.threads, args.timeout)]
         for model in models:
             path = common.model_path(model, work, args.smollm2_dir)
             data, data_info[model] = prepare_data(source, work, path, args.prompts_per_step)
+            counts[model] = common.matmul_parameters(path)
             if max(data_info[model]["prompt_tokens"]) > args.max_prompt_length:
                 sys.exit(f"A prompt has {max(data_info[model]['prompt_tokens'])} tokens > --max-prompt-length.")
             plan = []
@@ -299,14 +407,17 @@ def main(argv: list[str] | None = None) -> None:
                                    warmup_steps=args.warmup_steps, prompts_per_step=args.prompts_per_step,
                                    generations=group, new_tokens=new_tokens, full_length=not args.natural_lengths,
                                    learning_rate=args.learning_rate, max_prompt_length=args.max_prompt_length,
-                                   threads=args.threads, seed=args.seed, bf16=args.bf16))
+                                   threads=args.threads, seed=args.seed, bf16=args.bf16, overrides=overrides))
                              for trainer in trainers]
-            runs += common.run_trainers(__file__, plan, work, args.threads, args.timeout, vllm=True, show=lambda r: (
+            runs += common.run_trainers(__file__, plan, work, args.threads, args.timeout, vllm=True,
+                                        env_overrides=env_overrides, show=lambda r: (
                 f"{r['s_per_step']:.2f} s/step (steps {[round(s, 2) for s in r['step_times']]}), "
                 + ", ".join(f"{p} {r[f'{p}_s']:.2f}" for p in PHASES)
                 + f"; {r['gen_tok_per_s']:.0f} gen tok/s, {r['wall_s']:.0f} s wall"))
+        probes.append(probe_peaks(work, args.threads, args.timeout))  # before and after: the best of both counts
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    peaks = common.best_peaks(*probes)
     medians = common.median_rows(runs, ["model", "generations", "new_tokens", "trainer"])
     precision = "bf16 mixed precision (fp32 weights)" if args.bf16 else "float32"
     lengths_note = "natural lengths (eos stops)" if args.natural_lengths else "every completion forced to full length"
@@ -314,13 +425,25 @@ def main(argv: list[str] | None = None) -> None:
                 f"dapo, {precision}, {args.threads} threads, {args.steps} steps (first {args.warmup_steps} untimed, "
                 "median of the rest); prompt tokens " + ", ".join(
                     f"{m}: {d['prompt_tokens']}" for m, d in data_info.items()))
+    if overrides or env_overrides:
+        settings += f"; alignflow overrides {overrides}, child environment {env_overrides}"
     table, ratios = summarise(medians, cases, trainers)
+    floor, floor_records = floor_report(medians, data_info, counts, dict(
+        bf16=args.bf16, full_length=not args.natural_lengths, prompts_per_step=args.prompts_per_step,
+        overrides=overrides), peaks)
     common.print_header("GRPO", settings, started, load_before)
     print(table)
     print()
     print(ratios)
+    print(f"\nFloor: measured peaks ({peaks['threads']} threads, load {peaks['load_average'][0]:.1f}): "
+          f"matmul bf16 {peaks['matmul_bf16']['peak'] / 1e9:.0f} GFLOP/s, fp32 {peaks['matmul_fp32']['peak'] / 1e9:.0f} "
+          f"GFLOP/s, copy {peaks['copy']['peak'] / 1e9:.1f} GB/s (read + write); matmul params "
+          + ", ".join(f"{m}: {c['matmul_params'] / 1e6:.1f}M of {c['params'] / 1e6:.1f}M" for m, c in counts.items())
+          + "\n")
+    print(floor)
     if args.json:
-        common.write_json(args.json, "grpo", args, runs, medians, data=data_info)
+        common.write_json(args.json, "grpo", args, runs, medians, data=data_info, peaks=peaks, probes=probes,
+                          parameters=counts, floor=floor_records)
 
 
 if __name__ == "__main__":

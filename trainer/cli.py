@@ -20,7 +20,13 @@ import logging
 import os
 import sys
 
-from trainer.stages import STAGES, stage_parts
+# Before anything loads torch (OpenMP reads this once, when it loads): idle OpenMP threads sleep
+# instead of spinning. Spinning makes training several times slower whenever other processes
+# share the cores (a GRPO step on a busy 2-core machine: 287 s instead of 50 s; benchmarks/README.md).
+# Only how idle threads wait changes, never what is computed. A value set by the caller wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from trainer.stages import STAGES, stage_parts  # noqa: E402
 
 
 class FlagParser(argparse.ArgumentParser):

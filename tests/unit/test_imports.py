@@ -35,3 +35,20 @@ def test_walk_finds_the_stage_modules():
 @pytest.mark.parametrize("name", MODULES)
 def test_import(name):
     importlib.import_module(name)
+
+
+@pytest.mark.parametrize("module", ["trainer.cli", "pipelines.cli"])
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_cli_sets_passive_openmp_before_torch_loads(module, given):
+    """The command line makes idle OpenMP threads sleep (a caller's value wins), and does so before
+    torch is imported: OpenMP reads the variable only once, when torch loads it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = f"import os, sys, {module}; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [given or "PASSIVE", "False"]
