@@ -213,6 +213,39 @@ def exact_answer(prompts, completions, answer=None, **_) -> list[float | None]:
     return out
 
 
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+
+
+def boxed_or_final_answer(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (one level of nested braces); else the text itself when it
+    is one token (``\\frac{1}{3}``, ``42``); else `extract_final_answer`."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip().strip("$").strip()
+    bare = text.strip().strip("$").strip()
+    return bare if bare and not any(c.isspace() for c in bare) else extract_final_answer(text)
+
+
+def accuracy_reward(prompts, completions, solution=None, answer=None, **_) -> list[float | None]:
+    """TRL's `accuracy_reward`, without math_verify: 1.0 when the completion's last ``\\boxed{}`` (or
+    final number) equals the `solution` column's (or, without one, the `answer` column's) — the same
+    number, or the same text once spaces are removed — else 0.0; None where the gold has no answer.
+    Symbolic equivalence (``\\frac{2}{6}`` = ``\\frac{1}{3}``) is not checked."""
+    gold = solution if solution is not None else answer
+    if gold is None:
+        raise ValueError("accuracy_reward needs a `solution` (TRL's name) or `answer` column in the dataset.")
+    out: list[float | None] = []
+    for completion, ref in zip(completions, gold):
+        expected = boxed_or_final_answer(str(ref)) if ref is not None else None
+        if expected is None:
+            out.append(None)
+            continue
+        got = boxed_or_final_answer(completion_text(completion))
+        same = got is not None and (_same_number(got, expected) or got.replace(" ", "") == expected.replace(" ", ""))
+        out.append(1.0 if same else 0.0)
+    return out
+
+
 def answer_format(prompts, completions, **_) -> list[float]:
     """1.0 when the completion ends with a GSM8K-style final answer line ``#### <number>``."""
     pattern = re.compile(r"####\s*-?[\d,]+(?:\.\d+)?\s*$")
@@ -243,7 +276,7 @@ def make_length_reward(target: str):
     return length_reward
 
 
-BUILTIN_REWARDS = {"exact_answer": exact_answer, "answer_format": answer_format}
+BUILTIN_REWARDS = {"exact_answer": exact_answer, "answer_format": answer_format, "accuracy_reward": accuracy_reward}
 PARAMETRISED_REWARDS = {"regex": make_regex_reward, "length": make_length_reward}
 
 

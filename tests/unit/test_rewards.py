@@ -111,3 +111,18 @@ def test_the_loader_itself_holds_import_paths_to_the_allow_list(tmp_path, monkey
     monkeypatch.delenv("ALIGNFLOW_ALLOWED_REWARD_MODULES")
     assert load_reward_function("sneaky_rewards:score")(["p"], ["c"]) == [1.0]
     assert (tmp_path / "ran").exists()
+
+
+def test_accuracy_reward_takes_trls_name_and_columns():
+    """TRL's `accuracy_reward` (reward_funcs: [accuracy_reward] in a TRL config): the last \\boxed{} or
+    final number against the `solution` column (TRL's) or `answer`; None where the gold has no answer."""
+    from trainer.rewards import load_reward_function
+
+    reward = load_reward_function("accuracy_reward")
+    chat = [[{"role": "assistant", "content": r"So \boxed{\frac{1}{3}}"}], [{"role": "assistant", "content": r"\boxed{ \frac{1}{2} }"}]]
+    assert reward(None, chat, solution=[r"\frac{1}{3}", r"$\frac{1}{3}$"]) == [1.0, 0.0]
+    assert reward(None, ["it is 1,000.", "7", r"\boxed{7}", "no idea"], answer=["#### 1000", "#### 7", "7", "#### 7"]) == [
+        1.0, 1.0, 1.0, 0.0]
+    assert reward(None, ["42"], solution=["we cannot say"]) == [None]
+    with pytest.raises(ValueError, match="`solution`"):
+        reward(None, ["42"])
