@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -102,7 +103,6 @@ def _status(uri: str, path: str, host: str, user: str, password: str) -> int:
 
 def test_only_the_admin_moves_the_champion(chart_mlflow, monkeypatch):
     from mlflow.exceptions import MlflowException
-    from mlflow.server import get_app_client
 
     uri, creds = chart_mlflow
     admin_user, admin_password = creds["MLFLOW_TRACKING_USERNAME"], creds["MLFLOW_TRACKING_PASSWORD"]
@@ -110,7 +110,14 @@ def test_only_the_admin_moves_the_champion(chart_mlflow, monkeypatch):
     admin.create_registered_model(MODEL)
     version = admin.create_model_version(MODEL, source="s3://alignflow/pipelines/run-1/grpo/model")
     admin.set_registered_model_alias(MODEL, "champion", version.version)
-    get_app_client("basic-auth", tracking_uri=uri).create_user("reader", "reader-password-123")
+    # The basic-auth app's REST call, not `mlflow.server.get_app_client`: importing mlflow.server loads Flask,
+    # whose context proxies break every in-process vLLM engine started later in this pytest process.
+    token = base64.b64encode(f"{admin_user}:{admin_password}".encode()).decode()
+    request = urllib.request.Request(uri + "/api/2.0/mlflow/users/create", method="POST",
+                                     data=json.dumps({"username": "reader", "password": "reader-password-123"}).encode(),
+                                     headers={"Authorization": f"Basic {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
 
     anonymous = _client(uri, monkeypatch, None, None)
     with pytest.raises(MlflowException) as refused:
@@ -131,6 +138,7 @@ def test_only_the_admin_moves_the_champion(chart_mlflow, monkeypatch):
 
 
 def test_host_headers_outside_the_service_names_are_refused(chart_mlflow):
+    assert "flask" not in sys.modules, "Flask in this process breaks in-process vLLM engines of later tests"
     uri, creds = chart_mlflow
     port = uri.rsplit(":", 1)[1]
     path = "/api/2.0/mlflow/registered-models/search"
