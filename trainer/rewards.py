@@ -202,14 +202,19 @@ def exact_answer(prompts, completions, answer=None, **_) -> list[float | None]:
     Rows without an answer get None (no score from this function)."""
     if answer is None:
         raise ValueError("exact_answer needs an `answer` column in the dataset (GSM8K-style `#### N` or a number).")
+    return _answer_scores(completions, answer, extract_final_answer, _same_number)
+
+
+def _answer_scores(completions, gold, extract, same) -> list[float | None]:
+    """1.0 / 0.0 for whether `same(extract(completion), extract(gold))`; None where the gold has no answer."""
     out: list[float | None] = []
-    for completion, ref in zip(completions, answer):
-        expected = extract_final_answer(str(ref)) if ref is not None else None
+    for completion, ref in zip(completions, gold):
+        expected = extract(str(ref)) if ref is not None else None
         if expected is None:
             out.append(None)
             continue
-        got = extract_final_answer(completion_text(completion))
-        out.append(1.0 if got is not None and _same_number(got, expected) else 0.0)
+        got = extract(completion_text(completion))
+        out.append(1.0 if got is not None and same(got, expected) else 0.0)
     return out
 
 
@@ -234,16 +239,9 @@ def accuracy_reward(prompts, completions, solution=None, answer=None, **_) -> li
     gold = solution if solution is not None else answer
     if gold is None:
         raise ValueError("accuracy_reward needs a `solution` (TRL's name) or `answer` column in the dataset.")
-    out: list[float | None] = []
-    for completion, ref in zip(completions, gold):
-        expected = boxed_or_final_answer(str(ref)) if ref is not None else None
-        if expected is None:
-            out.append(None)
-            continue
-        got = boxed_or_final_answer(completion_text(completion))
-        same = got is not None and (_same_number(got, expected) or got.replace(" ", "") == expected.replace(" ", ""))
-        out.append(1.0 if same else 0.0)
-    return out
+    return _answer_scores(completions, gold, boxed_or_final_answer,
+                          lambda got, expected: _same_number(got, expected)
+                          or got.replace(" ", "") == expected.replace(" ", ""))
 
 
 def answer_format(prompts, completions, **_) -> list[float]:
