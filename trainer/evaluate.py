@@ -78,8 +78,8 @@ class EvalConfig:
                               "column (text or chat messages) and any columns the reward functions read, e.g. `answer`.")
     dataset_split: str = option("test", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
     max_samples: int | None = option(None, "Evaluate the first this many prompts only (default: all).")
-    reward_funcs: list[str] = option([], "Reward functions: built-ins (exact_answer, answer_format, regex:<pattern>, "
-                                         "length:<N>), import paths `pkg.module:fn` with TRL's signature, or reward-model "
+    reward_funcs: list[str] = option([], "Reward functions: built-ins (exact_answer, accuracy_reward, answer_format, "
+                                         "regex:<pattern>, length:<N>, soft_overlong_punishment:<max>:<cache>), import paths `pkg.module:fn` with TRL's signature, or reward-model "
                                          "checkpoints. `reward` is their weighted sum (none: no `reward` metric).")
     reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
     reward_label: str | None = option(None, "For reward models (in `reward_funcs`, or the `reward_model` judge) that "
@@ -290,6 +290,7 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
         log.info("Generated %d completions (%.1fs).", len(completions), time.perf_counter() - started)
 
         # 3. Rewards.
+        columns["completion_ids"] = [list(c.token_ids) for c in completions]  # passed as in TRL; not a data column
         per_func = score_completions(funcs, prompts, shaped, columns) if funcs else torch.empty(len(rows), 0)  # [N, F]
         combined = combine_rewards(per_func, weights) if funcs else None  # [N]
         if combined is not None:

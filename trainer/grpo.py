@@ -85,8 +85,9 @@ class GRPOConfig(TrainConfig):
                                         aliases=("per_device_train_batch_size",))
     max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
     logging_steps: int = option(1, "Log metrics every this many steps.")
-    reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, answer_format, "
-                                     "regex:<pattern>, length:<N>), import paths `pkg.module:fn` with TRL's "
+    reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, accuracy_reward, "
+                                     "answer_format, regex:<pattern>, length:<N>, soft_overlong_punishment:<max>:<cache>), "
+                                     "import paths `pkg.module:fn` with TRL's "
                                      "signature, or reward models: checkpoint folders, s3:// URIs or hub ids "
                                      "(org/name, from the local HF cache or downloaded).")
     reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
@@ -216,12 +217,14 @@ class RewardSet:
     names: list[str]
     weights: torch.Tensor  # [F]
 
-    def score(self, prompts: list, texts: list[str], rows, picked: list[int], group: int) -> torch.Tensor:
-        """Rewards of every function, [N, F] (NaN where a function returned None); TRL's calling convention."""
+    def score(self, prompts: list, texts: list[str], rows, picked: list[int], group: int,
+              completion_ids: list[list[int]]) -> torch.Tensor:
+        """Rewards of every function, [N, F] (NaN where a function returned None); TRL's calling convention:
+        the dataset's other columns and `completion_ids` as keyword arguments."""
         conversational = is_conversational(prompts[0])
         completions = [[{"role": "assistant", "content": x}] for x in texts] if conversational else texts
         columns = {c: [rows[i][c] for i in picked for _ in range(group)] for c in rows.column_names if c != "prompt"}
-        return score_completions(self.funcs, prompts, completions, columns)
+        return score_completions(self.funcs, prompts, completions, {**columns, "completion_ids": completion_ids})
 
 
 def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet | None, RewardSet]:
@@ -274,7 +277,8 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
 
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
     prompts = [data.rows[i]["prompt"] for i in picked for _ in range(G)]
-    per_func = rewards.score(prompts, texts, data.rows, picked, G)  # [N, F]
+    per_func = rewards.score(prompts, texts, data.rows, picked, G,
+                             [list(c.token_ids) for group in completions for c in group])  # [N, F]
     combined = combine_rewards(per_func, rewards.weights)  # [N]
     everyone = run.accelerator.gather(combined.to(run.device)).cpu()  # [world*N], rank order
     if config.advantage_estimator == "rloo":
@@ -376,7 +380,8 @@ def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, toke
         call = dataclasses.replace(sampling, seed=run.config.seed, prompt_keys=picked)  # the same draws every eval
         completions = engine.generate([data.token_ids[i] for i in picked], call)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
-        scores = rewards.score([data.rows[i]["prompt"] for i in picked for _ in range(G)], texts, data.rows, picked, G)
+        scores = rewards.score([data.rows[i]["prompt"] for i in picked for _ in range(G)], texts, data.rows, picked, G,
+                               [list(c.token_ids) for group in completions for c in group])
         per_func.append(scores if len(part) else scores[:0])
     mine = torch.cat(per_func)  # [n, F]
     sums = run.sum_over_ranks({"n": float(len(mine)),

@@ -280,7 +280,8 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
 
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
     prompts = [data.rows[i]["prompt"] for i in picked]
-    per_func = rewards.score(prompts, texts, data.rows, picked, 1)  # [N, F]
+    per_func = rewards.score(prompts, texts, data.rows, picked, 1,
+                             [list(c.token_ids) for group in completions for c in group])  # [N, F]
     scores = combine_rewards(per_func, rewards.weights).nan_to_num(0.0).to(run.device)  # [N]; unscorable -> 0
     if config.missing_eos_penalty is not None:
         scores = scores - config.missing_eos_penalty * batch.truncated.float()

@@ -58,7 +58,8 @@ def check_reward_spec(spec: str, field: str = "reward_funcs") -> None:
     if local and not Path(spec).expanduser().exists():
         raise ConfigError(f"`{field}` entry {spec!r}: neither a built-in reward nor a reward-model folder. Give a checkpoint folder (the "
                           f"output of `alignflow train reward`), a built-in ({', '.join(BUILTIN_REWARDS)}, "
-                          "regex:<pattern>, length:<N>) or an import path `pkg.module:function`.")
+                          "regex:<pattern>, length:<N>, soft_overlong_punishment:<max>:<cache>) or an import path "
+                          "`pkg.module:function`.")
     # A folder, s3:// prefix or hub id: a reward model, which its loader checks before the policy loads.
 
 
@@ -69,6 +70,11 @@ def _check_parametrised(spec: str, name: str, arg: str, field: str) -> None:
         except re.error as err:
             raise ConfigError(f"`{field}` entry {spec!r}: the pattern is not a valid regular expression "
                               f"({err}).") from None
+    elif name == "soft_overlong_punishment":
+        try:
+            PARAMETRISED_REWARDS[name](arg)
+        except ConfigError as err:
+            raise ConfigError(f"`{field}` entry {spec!r}: {err}") from None
     elif not arg.isdigit() or int(arg) < 1:
         raise ConfigError(f"`{field}` entry {spec!r}: length:<N> takes a whole number of characters N >= 1, "
                           "e.g. length:200.")

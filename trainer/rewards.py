@@ -1,8 +1,8 @@
 """Reward functions with TRL's signature: `f(prompts, completions, **dataset_columns) -> list[float | None]`.
 
 Three kinds, loaded by `load_reward_function(spec)`:
-- built-in rules: `exact_answer` (GSM8K-style final answers), `answer_format`, `regex:<pattern>`,
-  `length:<N>`;
+- built-in rules: `exact_answer` (GSM8K-style final answers), `accuracy_reward`, `answer_format`,
+  `regex:<pattern>`, `length:<N>`, `soft_overlong_punishment:<max>:<cache>` (DAPO's length budget);
 - any user function given as an import path `pkg.module:function`;
 - `RewardModelScorer`, a reward-model checkpoint (the output of `alignflow train reward`, or any
   sequence-classification model) given as a folder, an s3:// prefix or a hub id (read through the
@@ -274,13 +274,37 @@ def make_length_reward(target: str):
     return length_reward
 
 
+def make_soft_overlong_punishment(spec: str):
+    """``soft_overlong_punishment:<max>:<cache>``: DAPO's soft overlong punishment over completion tokens,
+    under TRL's name (`trl.rewards.get_soft_overlong_punishment`): 0 up to max − cache tokens, then
+    falling linearly to −1 at max tokens, −1 beyond. Reads `completion_ids`, which the RL stages and
+    `alignflow eval` pass to every reward function (as TRL does)."""
+    limit, _, cache = spec.partition(":")
+    try:
+        limit, cache = int(limit), int(cache)
+    except ValueError:
+        limit = cache = 0
+    if not 0 < cache <= limit:
+        raise ConfigError(f"soft_overlong_punishment:<max>:<cache> needs whole numbers 0 < cache <= max, got {spec!r} "
+                          "(e.g. soft_overlong_punishment:256:64 with max_completion_length 256).")
+    start = limit - cache
+
+    def soft_overlong_punishment(prompts, completions, completion_ids=None, **_) -> list[float]:
+        if completion_ids is None:
+            raise ValueError("soft_overlong_punishment needs `completion_ids` (token ids of each completion).")
+        return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / cache) for ids in completion_ids]
+
+    return soft_overlong_punishment
+
+
 BUILTIN_REWARDS = {"exact_answer": exact_answer, "answer_format": answer_format, "accuracy_reward": accuracy_reward}
-PARAMETRISED_REWARDS = {"regex": make_regex_reward, "length": make_length_reward}
+PARAMETRISED_REWARDS = {"regex": make_regex_reward, "length": make_length_reward,
+                        "soft_overlong_punishment": make_soft_overlong_punishment}
 
 
 def load_reward_function(spec: str, device: str = "cpu", label: str | None = None, label_score: str = "logit"):
-    """A reward function from a built-in name (``exact_answer``, ``answer_format``, ``regex:<pattern>``,
-    ``length:<N>``), an import path ``pkg.module:function``, or a reward model: a checkpoint folder, an
+    """A reward function from a built-in name (``exact_answer``, ``accuracy_reward``, ``answer_format``,
+    ``regex:<pattern>``, ``length:<N>``, ``soft_overlong_punishment:<max>:<cache>``), an import path ``pkg.module:function``, or a reward model: a checkpoint folder, an
     s3:// URI or a hub id (``org/name``, from the local Hugging Face cache or downloaded when online).
     `label` and `label_score` choose what a classifier with several labels scores (`RewardModelScorer`)."""
     if spec in BUILTIN_REWARDS:
@@ -303,7 +327,7 @@ def load_reward_function(spec: str, device: str = "cpu", label: str | None = Non
         return fn
     if storage.is_remote(spec) or Path(spec).is_dir() or hub_model_available(spec):
         return RewardModelScorer(spec, device=device, label=label, label_score=label_score)
-    known = ", ".join([*BUILTIN_REWARDS, "regex:<pattern>", "length:<N>"])
+    known = ", ".join([*BUILTIN_REWARDS, "regex:<pattern>", "length:<N>", "soft_overlong_punishment:<max>:<cache>"])
     raise ConfigError(f"Unknown reward function {spec!r}: it is neither a function (a built-in: {known}; or an import "
                      "path `pkg.module:function`), nor a file (a reward-model folder or s3:// URI), nor a hub model in "
                      "the local Hugging Face cache or downloadable from the hub.")

@@ -44,6 +44,11 @@ def needs_column(prompts, completions, target, **_):
     return [1.0 if t in c else 0.0 for c, t in zip(completions, target)]
 
 
+def tokens_in_completion(prompts, completions, completion_ids, **_):
+    assert len(completion_ids) == len(completions) and all(isinstance(i, int) for ids in completion_ids for i in ids)
+    return [float(len(ids)) for ids in completion_ids]
+
+
 @pytest.mark.training
 def test_hf_engine_learns_toy_task(tiny_model, tmp_path):
     """The mean reward closes at least half of the gap to its maximum (1.0) within 60 steps.
@@ -108,12 +113,16 @@ def test_lora_grpo_with_adapter_disabled_reference(tiny_model, tmp_path):
 
 
 def test_chat_prompts_and_extra_columns_reach_rewards(tiny_model, tmp_path):
+    """Columns and `completion_ids` (TRL's keyword) reach reward functions: the token count each one saw
+    averages to the logged completion length."""
     dataset = prompts_file(tmp_path / "chat.jsonl", chat=True)
     run_grpo(grpo_config(tiny_model, tmp_path, dataset=dataset, max_steps=1,
-                         reward_funcs=[f"{__name__}:needs_column", f"{__name__}:reward_none_for_first"],
-                         reward_weights=[1.0, 0.5]))
+                         reward_funcs=[f"{__name__}:needs_column", f"{__name__}:reward_none_for_first",
+                                       f"{__name__}:tokens_in_completion"],
+                         reward_weights=[1.0, 0.5, 0.0]))
     last = ckpt.read_history(str(tmp_path / "out"))[-1]
     assert "rewards/needs_column/mean" in last and last["rewards/reward_none_for_first/mean"] == 0.5
+    assert last["rewards/tokens_in_completion/mean"] == pytest.approx(last["completions/mean_length"])
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager", SHARED_ATTENTION])

@@ -126,3 +126,19 @@ def test_accuracy_reward_takes_trls_name_and_columns():
     assert reward(None, ["42"], solution=["we cannot say"]) == [None]
     with pytest.raises(ValueError, match="`solution`"):
         reward(None, ["42"])
+
+
+def test_soft_overlong_punishment_is_dapos_length_budget():
+    """TRL's get_soft_overlong_punishment under a built-in name: 0 up to max − cache tokens, linear to −1 at max."""
+    from trainer.config import ConfigError
+    from trainer.reward_specs import check_reward_spec
+    from trainer.rewards import load_reward_function
+
+    reward = load_reward_function("soft_overlong_punishment:100:20")
+    ids = [[7] * n for n in (0, 50, 80, 90, 95, 100, 130)]
+    assert reward(None, ["x"] * len(ids), completion_ids=ids) == pytest.approx([0, 0, 0, -0.5, -0.75, -1, -1])
+    with pytest.raises(ValueError, match="completion_ids"):
+        reward(None, ["x"])
+    for bad in ("soft_overlong_punishment:100", "soft_overlong_punishment:20:100", "soft_overlong_punishment:a:b"):
+        with pytest.raises(ConfigError, match=r"0 < cache <= max"):
+            check_reward_spec(bad)
