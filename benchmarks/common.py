@@ -23,6 +23,7 @@ import gzip
 import importlib.util
 import inspect
 import json
+import math
 import os
 import platform
 import shutil
@@ -685,3 +686,71 @@ def floor_row(phase: str, seconds: float | None, work: float | None, unit: str, 
 
 
 FLOOR_HEADERS = ["phase", "s/step", "work (G)", "unit", "achieved (G/s)", "peak (G/s)", "% of peak"]
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO quality runs (grpo_quality.py, grpo_gsm8k.py): the paired test, the reward curve
+
+
+def mcnemar_exact(newly_right: int, newly_wrong: int) -> float:
+    """Two-sided exact McNemar p-value: twice the smaller binomial(n, 1/2) tail of the discordant pairs."""
+    n = newly_right + newly_wrong
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(newly_right, newly_wrong) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired(before: Sequence[int], after: Sequence[int], name: str) -> dict[str, Any]:
+    """Before/after rates of one per-item 0/1 outcome, its discordant counts and McNemar's exact p."""
+    right = sum(a == 0 and b == 1 for a, b in zip(before, after))
+    wrong = sum(a == 1 and b == 0 for a, b in zip(before, after))
+    return {f"{name}_before": sum(before) / len(before), f"{name}_after": sum(after) / len(after),
+            f"{name}_newly_1": right, f"{name}_newly_0": wrong, f"{name}_mcnemar_p": mcnemar_exact(right, wrong)}
+
+
+def zero_std_summary(steps: Sequence[dict]) -> dict[str, float | None]:
+    """`frac_reward_zero_std` over the run: its mean, and over the first and last tenth of the steps."""
+    zero = [s["frac_reward_zero_std"] for s in steps if "frac_reward_zero_std" in s]
+    tenth = max(1, len(zero) // 10)
+    return {"frac_reward_zero_std_mean": sum(zero) / len(zero) if zero else None,
+            "frac_reward_zero_std_first_10pct": sum(zero[:tenth]) / tenth if zero else None,
+            "frac_reward_zero_std_last_10pct": sum(zero[-tenth:]) / tenth if zero else None}
+
+
+def smooth(values: Sequence[float], k: int = 10) -> list[float]:
+    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+
+
+def plot_rewards(steps: Sequence[dict], series: Sequence[tuple[str, str]], title: str, settings: str, path: Path,
+                 k: int = 10) -> None:
+    """Rewards per step (top: `series` of (metric, label)) and the share of groups with no reward
+    variance (bottom), each with its `k`-step running mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
+    for i, (key, label) in enumerate(series):
+        y = [s.get(key, float("nan")) for s in steps]
+        top.plot(x, y, color=f"C{i}", alpha=0.25, linewidth=1)
+        top.plot(x, smooth(y, k), color=f"C{i}", linewidth=2, label=f"{label} ({k}-step mean)")
+    top.set_ylabel("mean reward per completion")
+    top.set_title(title, fontsize=10)
+    top.grid(alpha=0.3)
+    top.legend(loc="lower right", fontsize=8)
+    zero = [s.get("frac_reward_zero_std", float("nan")) for s in steps]
+    bottom.plot(x, zero, color="C7", alpha=0.25, linewidth=1)
+    bottom.plot(x, smooth(zero, k), color="C7", linewidth=2, label=f"frac_reward_zero_std ({k}-step mean)")
+    bottom.set_ylim(-0.02, 1.02)
+    bottom.set_xlabel("optimizer step")
+    bottom.set_ylabel("groups without signal")
+    bottom.grid(alpha=0.3)
+    bottom.legend(loc="upper right", fontsize=8)
+    fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

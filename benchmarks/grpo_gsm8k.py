@@ -1,28 +1,33 @@
-"""GRPO quality on GSM8K: SmolLM2-135M-Instruct, exact-answer reward, vLLM rollouts, on CPU.
+r"""GRPO on GSM8K: SmolLM2-135M-Instruct, exact answers plus a partial-credit format reward and a
+length budget, vLLM rollouts, on CPU, with a paired test.
 
     nohup flock /tmp/alignflow-bench.lock python benchmarks/grpo_gsm8k.py > /tmp/grpo_gsm8k.log 2>&1 &
 
-1. before  greedy answers of the starting model to 200 fixed GSM8K test questions (the first
-           200 of `--eval-data`, default ../shared/data/gsm8k/test.jsonl), scored with the
-           built-in `exact_answer` reward -> accuracy
+1. before  greedy answers of the starting model to fixed GSM8K test questions (the first
+           `--eval-questions` of `--eval-data`, default ../shared/data/gsm8k/test.jsonl, 300) ->
+           per-question accuracy (`exact_answer`: the number after the last "####", else the last
+           number, against the reference), `#### N` format at the end (`answer_format`), length
 2. train   `run_grpo` on GSM8K train prompts (the first `--train-prompts` of `--data`, default
-           ../shared/data/gsm8k/train.jsonl, sampled by the trainer's seeded order) with
-           `exact_answer` plus a small `answer_format` reward, in-process vLLM rollouts
+           ../shared/data/gsm8k/train.jsonl) with in-process vLLM rollouts and four rewards:
+             exact_answer                                  x 1
+             regex:####\s*-?[\d,]*\d  (a "#### N" anywhere)  x `--marker-weight`   } partial credit
+             answer_format   (the completion ends with it)  x `--format-weight`   } for the format
+             soft_overlong_punishment:<new tokens>:<cache>  x `--overlong-weight`  (DAPO's length
+               budget: 0 up to new tokens − `--overlong-cache`, then down to −1 at the cap)
+           `--overlong-weight 0 --marker-weight 0 --format-weight 0.2 --new-tokens 160
+           --generations 4 --no-bf16 --learning-rate 5e-6 --steps 50 --eval-questions 200` is the
+           earlier run (exact answer + 0.2 x format only, results/grpo_gsm8k_v1.json)
 3. after   the same evaluation of the trained model
-4. write   `--json` (default benchmarks/results/grpo_gsm8k.json: config, environment, one row per
-           phase with accuracies, per-question correctness, per-step rewards, runtimes, peak
-           memory) and the reward curve beside it (grpo_gsm8k_reward.png)
+4. test    McNemar's exact test on the paired per-question results, for accuracy and for format
+5. write   `--json` (default benchmarks/results/grpo_gsm8k.json: config, environment, summary,
+           per-question before/after answers, per-step rewards and `frac_reward_zero_std`,
+           runtimes, peak memory) and the reward curve beside it (grpo_gsm8k_reward.png)
 
 Prompts are one user message: the question and an instruction to end with "#### <number>"
 (`common.gsm8k_rows`, as in the speed benchmark). Evaluation uses the vLLM engine (greedy,
-`--eval-new-tokens` tokens, eos stops) because transformers `generate` would take most of the
-time budget on this CPU; accuracy is `exact_answer` (the number after the last "####", else
-the last number, against the reference answer), the same function the trainer's reward and
-`alignflow eval`'s accuracy use. Each phase runs in its own process.
-
-This is a smoke-scale check that training moves the reward the right way on a real model with
-a real task on two CPU cores; SmolLM2-135M gets only a few percent of GSM8K right, so 50 steps
-of 16 completions are too few to show much. A longer GPU run is the real quality check.
+`--eval-new-tokens` tokens, eos stops) in the training dtype. Each phase runs in its own process.
+SmolLM2-135M gets almost no GSM8K question right, so the format and the length are what a CPU-sized
+run can move; accuracy is reported with its paired test either way.
 """
 
 from __future__ import annotations
@@ -38,6 +43,18 @@ from pathlib import Path
 import common
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MARKER = r"####\s*-?[\d,]*\d"
+SERIES = [("reward", "total reward"), ("rewards/exact_answer/mean", "exact_answer"),
+          ("rewards/regex/mean", "'#### N' anywhere"), ("rewards/answer_format/mean", "'#### N' at the end"),
+          ("rewards/soft_overlong_punishment/mean", "soft_overlong_punishment")]
+
+
+def reward_specs(args) -> tuple[list[str], list[float]]:
+    """The training rewards and their weights (a zero weight leaves a reward out)."""
+    specs = [("exact_answer", 1.0), (f"regex:{MARKER}", args.marker_weight), ("answer_format", args.format_weight),
+             (f"soft_overlong_punishment:{args.new_tokens}:{args.overlong_cache}", args.overlong_weight)]
+    kept = [(name, weight) for name, weight in specs if weight]
+    return [name for name, _ in kept], [weight for _, weight in kept]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -45,7 +62,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def child_eval(spec: dict) -> dict:
-    """Greedy answers to the test prompts with the vLLM engine; exact_answer accuracy."""
+    """Greedy answers to the test prompts with the vLLM engine; per question: right, formatted, length."""
     from trainer.completions import prompt_token_ids
     from trainer.models import load_tokenizer
     from trainer.rewards import answer_format, exact_answer
@@ -56,7 +73,8 @@ def child_eval(spec: dict) -> dict:
     encoded = [prompt_token_ids(r["prompt"], tokenizer, spec["max_prompt_length"]) for r in rows]
     start = time.perf_counter()
     engine = make_engine("vllm", model=None, tokenizer=tokenizer, model_path=spec["model_path"],
-                         max_model_len=spec["max_prompt_length"] + spec["new_tokens"], seed=spec["seed"])
+                         max_model_len=spec["max_prompt_length"] + spec["new_tokens"], dtype=spec["dtype"],
+                         seed=spec["seed"])
     ready = time.perf_counter()
     sampling = SamplingConfig(max_new_tokens=spec["new_tokens"], temperature=0.0,
                               stop_token_ids=[tokenizer.eos_token_id])
@@ -66,15 +84,14 @@ def child_eval(spec: dict) -> dict:
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     shaped = [[{"role": "assistant", "content": t}] for t in texts]  # chat prompts -> chat completions (TRL)
     prompts = [r["prompt"] for r in rows]
-    correct = exact_answer(prompts, shaped, answer=[r["answer"] for r in rows])
-    formatted = answer_format(prompts, shaped)
-    return {"accuracy": sum(correct) / len(correct), "correct": [int(c) for c in correct],
-            "format_rate": sum(formatted) / len(formatted),
-            "mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
+    correct = [int(c) for c in exact_answer(prompts, shaped, answer=[r["answer"] for r in rows])]
+    formatted = [int(f) for f in answer_format(prompts, shaped)]
+    lengths = [len(c.token_ids) for c in completions]
+    return {"accuracy": sum(correct) / len(correct), "correct": correct, "format_rate": sum(formatted) / len(rows),
+            "formatted": formatted, "completions": texts, "lengths": lengths,
+            "mean_length": sum(lengths) / len(lengths),
             "clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "engine_start_s": ready - start, "generate_s": generated - ready,
-            "samples": [{"question": r["prompt"][0]["content"], "completion": t, "answer": r["answer"]}
-                        for r, t in list(zip(rows, texts))[:3]]}
+            "engine_start_s": ready - start, "generate_s": generated - ready}
 
 
 def child_train(spec: dict) -> dict:
@@ -82,19 +99,20 @@ def child_train(spec: dict) -> dict:
 
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
-        rollout_engine="vllm", max_steps=spec["steps"], num_generations=spec["generations"],
+        bf16=spec["bf16"], rollout_engine="vllm", max_steps=spec["steps"], num_generations=spec["generations"],
         per_device_batch_size=spec["prompts_per_step"] * spec["generations"], gradient_accumulation_steps=1,
         max_prompt_length=spec["max_prompt_length"], max_completion_length=spec["new_tokens"],
         temperature=spec["temperature"], learning_rate=spec["learning_rate"], lr_scheduler="constant",
-        beta=0.0, loss_type="dapo", scale_rewards="group", reward_funcs=["exact_answer", "answer_format"],
-        reward_weights=[1.0, spec["format_weight"]], seed=spec["seed"], logging_steps=1,
+        beta=0.0, loss_type="dapo", scale_rewards="group", reward_funcs=spec["reward_funcs"],
+        reward_weights=spec["reward_weights"], seed=spec["seed"], logging_steps=1,
         log_completions_steps=0, save_steps=0, disable_progress_bar=True)
     start = time.perf_counter()
     grpo.run_grpo(config)
     history = checkpoint.read_history(spec["out_dir"])
-    keys = ("reward", "reward_std", "rewards/exact_answer/mean", "rewards/answer_format/mean",
+    keys = ["reward", "reward_std", *(f"rewards/{name}/mean" for name in
+                                      ("exact_answer", "regex", "answer_format", "soft_overlong_punishment")),
             "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "kl", "entropy",
-            "loss", "grad_norm", "step_time", "timing/generate", "timing/update", "timing/sync")
+            "loss", "grad_norm", "step_time", "timing/generate", "timing/update", "timing/sync"]
     steps = [{"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in history if "reward" in r]
     return {"steps": steps, "train_s": time.perf_counter() - start}
 
@@ -123,8 +141,7 @@ def phase_table(before: dict, trained: dict, after: dict, completions_per_step: 
     train_tokens = sum(s["completions/mean_length"] for s in steps) * completions_per_step
 
     def eval_row(name: str, r: dict) -> list:
-        tokens = r["mean_length"] * len(r["correct"])
-        return [name, r["wall_s"], r["engine_start_s"], r["generate_s"], None, tokens / r["generate_s"],
+        return [name, r["wall_s"], r["engine_start_s"], r["generate_s"], None, sum(r["lengths"]) / r["generate_s"],
                 r["peak_rss_mb"]]
 
     train = ["train", trained["wall_s"], None, sum(s.get("timing/generate", 0.0) for s in steps),
@@ -133,118 +150,124 @@ def phase_table(before: dict, trained: dict, after: dict, completions_per_step: 
                                [eval_row("eval before", before), train, eval_row("eval after", after)])
 
 
-def plot(steps: list[dict], before: float, after: float, title: str, settings: str, path: Path) -> None:
-    import matplotlib
+def summarize(before: dict, after: dict, steps: list[dict], total: float, load: tuple[float, float]) -> dict:
+    return {"eval_questions": len(before["correct"]),
+            **common.paired(before["correct"], after["correct"], "accuracy"),
+            **common.paired(before["formatted"], after["formatted"], "format_rate"),
+            "mean_length_before": before["mean_length"], "mean_length_after": after["mean_length"],
+            "clipped_ratio_before": before["clipped_ratio"], "clipped_ratio_after": after["clipped_ratio"],
+            "train_clipped_ratio_first_10": _mean([s.get("completions/clipped_ratio") for s in steps[:10]]),
+            "train_clipped_ratio_last_10": _mean([s.get("completions/clipped_ratio") for s in steps[-10:]]),
+            **common.zero_std_summary(steps), "total_s": total, "load_average_before": load[0],
+            "load_average_after": load[1]}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    x = [s["step"] for s in steps]
-
-    def smooth(values: list[float], k: int = 5) -> list[float]:
-        return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    series = [("reward", "total reward", "C0"), ("rewards/exact_answer/mean", "exact_answer", "C1"),
-              ("rewards/answer_format/mean", "answer_format", "C2")]
-    for key, label, color in series:
-        y = [s.get(key, float("nan")) for s in steps]
-        ax.plot(x, y, color=color, alpha=0.3, linewidth=1)
-        ax.plot(x, smooth(y), color=color, linewidth=2, label=f"{label} (5-step mean)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward per completion")
-    ax.set_title(f"{title}\ntest accuracy (greedy): {before:.1%} before -> {after:.1%} after", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--model", type=Path, default=common.SMOLLM2, help="Starting model (HF folder).")
-    parser.add_argument("--generations", type=int, default=4, help="Completions per prompt (G).")
+    parser.add_argument("--generations", type=int, default=8, help="Completions per prompt (G).")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="Prompts per step (x G completions).")
-    parser.add_argument("--new-tokens", type=int, default=160, help="max_completion_length in training.")
-    parser.add_argument("--learning-rate", type=float, default=5e-6, help="Constant learning rate (AdamW).")
+    parser.add_argument("--new-tokens", type=int, default=256, help="max_completion_length in training.")
+    parser.add_argument("--learning-rate", type=float, default=1e-5, help="Constant learning rate (AdamW).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
-    parser.add_argument("--format-weight", type=float, default=0.2, help="Weight of answer_format (exact_answer: 1).")
+    parser.add_argument("--marker-weight", type=float, default=0.25,
+                        help="Weight of the '#### N' anywhere reward (partial format credit; 0 leaves it out).")
+    parser.add_argument("--format-weight", type=float, default=0.25,
+                        help="Weight of answer_format ('#### N' at the very end; 0 leaves it out).")
+    parser.add_argument("--overlong-weight", type=float, default=0.5,
+                        help="Weight of soft_overlong_punishment (0 leaves it out).")
+    parser.add_argument("--overlong-cache", type=int, default=64,
+                        help="Its soft band: the punishment starts this many tokens before --new-tokens.")
     parser.add_argument("--train-prompts", type=int, default=2000, help="First N GSM8K train questions to draw from.")
-    parser.add_argument("--eval-questions", type=int, default=200, help="First N GSM8K test questions.")
+    parser.add_argument("--eval-questions", type=int, default=300, help="First N GSM8K test questions.")
     parser.add_argument("--eval-new-tokens", type=int, default=256, help="Most tokens per evaluation answer.")
     parser.add_argument("--max-prompt-length", type=int, default=512, help="Longer prompts lose their start.")
     parser.add_argument("--eval-data", type=Path, default=None,
                         help="GSM8K test questions (default: ../shared/data/gsm8k/test.jsonl beside the repository).")
-    parser.add_argument("--steps", type=int, default=50, help="GRPO optimizer steps (one generation each).")
+    parser.add_argument("--steps", type=int, default=40, help="GRPO optimizer steps (one generation each).")
+    parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="Train and evaluate in float32.")
     common.add_run_flags(parser, "gsm8k/train.jsonl", warmup=None, repeats=False, timeout=3600,
                          json_default=RESULTS / "grpo_gsm8k.json")  # the reward curve goes beside it
     args = parser.parse_args(argv)
     if args.child:
         kind, spec = json.loads(args.child)
         return child_main(kind, spec)
-
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; make SmolLM2 with scripts/get_smollm2.sh or pass --model.")
+    if args.overlong_weight and not 0 < args.overlong_cache <= args.new_tokens:
+        sys.exit("--overlong-cache must be in 1..--new-tokens.")
     train_source = common.data_path(args.data, "gsm8k/train.jsonl")
     test_source = common.data_path(args.eval_data, "gsm8k/test.jsonl", "--eval-data")
+    reward_funcs, reward_weights = reward_specs(args)
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-grpo-gsm8k-"))
     started = common.clock()
-    shared = dict(threads=args.threads, seed=args.seed, max_prompt_length=args.max_prompt_length)
+    shared = dict(threads=args.threads, seed=args.seed, max_prompt_length=args.max_prompt_length,
+                  dtype="bfloat16" if args.bf16 else "float32")
+
+    def log(message: str) -> None:
+        print(f"[{common.clock() - started:6.0f}s] {message}", flush=True)
+
+    def evaluate(model: Path, name: str) -> dict:
+        result = run("eval", dict(shared, data_path=str(test), model_path=str(model), new_tokens=args.eval_new_tokens),
+                     args.timeout)
+        log(f"{name}: accuracy {result['accuracy']:.3f}, format {result['format_rate']:.3f}, mean length "
+            f"{result['mean_length']:.0f}, clipped {result['clipped_ratio']:.3f} ({result['wall_s']:.0f}s)")
+        return result
+
     try:
         test = common.write_jsonl(work / "test.jsonl", common.gsm8k_rows(test_source, args.eval_questions))
         train = common.write_jsonl(work / "train.jsonl", common.gsm8k_rows(train_source, args.train_prompts))
-        eval_spec = dict(shared, data_path=str(test), new_tokens=args.eval_new_tokens)
-
-        def log(message: str) -> None:
-            print(f"[{common.clock() - started:6.0f}s] {message}", flush=True)
-
         log(f"evaluating {args.model} on {args.eval_questions} test questions ...")
-        before = run("eval", dict(eval_spec, model_path=str(args.model)), args.timeout)
-        log(f"before: accuracy {before['accuracy']:.3f}, format {before['format_rate']:.3f}, "
-            f"mean length {before['mean_length']:.0f} ({before['wall_s']:.0f}s)")
+        before = evaluate(args.model, "before")
         train_spec = dict(shared, model_path=str(args.model), data_path=str(train), out_dir=str(work / "out"),
                           steps=args.steps, generations=args.generations, prompts_per_step=args.prompts_per_step,
-                          new_tokens=args.new_tokens, learning_rate=args.learning_rate,
-                          temperature=args.temperature, format_weight=args.format_weight)
-        log(f"training {args.steps} steps ...")
+                          new_tokens=args.new_tokens, learning_rate=args.learning_rate, bf16=args.bf16,
+                          temperature=args.temperature, reward_funcs=reward_funcs, reward_weights=reward_weights)
+        log(f"training {args.steps} steps with {list(zip(reward_funcs, reward_weights))} ...")
         trained = run("train", train_spec, args.timeout)
         rewards = [s["reward"] for s in trained["steps"]]
         log(f"trained in {trained['wall_s']:.0f}s; reward first 5 steps {sum(rewards[:5]) / 5:.3f}, "
             f"last 5 {sum(rewards[-5:]) / 5:.3f}")
-        after = run("eval", dict(eval_spec, model_path=str(work / "out")), args.timeout)
-        log(f"after: accuracy {after['accuracy']:.3f}, format {after['format_rate']:.3f}, "
-            f"mean length {after['mean_length']:.0f} ({after['wall_s']:.0f}s)")
+        after = evaluate(work / "out", "after")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     total = common.clock() - started
+    weighted = " + ".join(f"{w:g} x {n}" for n, w in zip(reward_funcs, reward_weights))
     settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, {args.steps} steps, "
                 f"max_completion_length={args.new_tokens}, lr={args.learning_rate:g} constant, "
-                f"T={args.temperature:g}, beta=0, dapo, rewards exact_answer + {args.format_weight:g} x answer_format, "
-                f"vLLM rollouts, fp32, {args.threads} CPU threads; eval greedy, {args.eval_new_tokens} tokens")
-    both = list(zip(before["correct"], after["correct"]))
-    summary = {
-        "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-        "newly_correct": sum(a == 0 and b == 1 for a, b in both), "newly_wrong": sum(a == 1 and b == 0 for a, b in both),
-        "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
-        "mean_length_before": before["mean_length"], "mean_length_after": after["mean_length"],
-        "clipped_ratio_before": before["clipped_ratio"], "clipped_ratio_after": after["clipped_ratio"],
-        "total_s": total,
-    }
+                f"T={args.temperature:g}, beta=0, dapo, rewards {weighted}, vLLM rollouts, "
+                f"{common.precision(args.bf16)}, {args.threads} CPU threads; eval greedy, {args.eval_new_tokens} tokens")
+    summary = summarize(before, after, trained["steps"], total, (load_before, os.getloadavg()[0]))
+    rows = common.gsm8k_rows(test_source, args.eval_questions)
+    items = [{"question": r["prompt"][0]["content"], "answer": r["answer"], **{
+        f"{key}_{when}": result[key][i] for when, result in (("before", before), ("after", after))
+        for key in ("correct", "formatted", "lengths", "completions")}} for i, r in enumerate(rows)]
+    for result in (before, after):
+        for key in ("correct", "formatted", "lengths", "completions"):
+            result.pop(key)
     runs = [{"phase": "eval before", **before}, {"phase": "train", **trained}, {"phase": "eval after", **after}]
     plot_path = args.json.with_name(args.json.stem + "_reward.png")
-    common.write_json(args.json, "grpo_gsm8k", args, runs, common.median_rows(runs, ["phase"]), summary=summary,
+    common.write_json(args.json, "grpo_gsm8k", args, runs, [], summary=summary, items=items,
                       instruction=common.GSM8K_INSTRUCTION)
-    plot(trained["steps"], before["accuracy"], after["accuracy"],
-         f"GRPO on GSM8K, {args.model.name}, CPU; eval on the first {args.eval_questions} test questions",
-         f"{settings}; total {total / 60:.0f} min", plot_path)
+    a, f = summary["accuracy_mcnemar_p"], summary["format_rate_mcnemar_p"]
+    common.plot_rewards(trained["steps"], SERIES, f"GRPO on GSM8K, {args.model.name}, CPU; {args.eval_questions} test "
+                        f"questions (greedy): accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "
+                        f"(p = {a:.2g}), '#### N' {summary['format_rate_before']:.1%} -> "
+                        f"{summary['format_rate_after']:.1%} (p = {f:.2g})", f"{settings}; total {total / 60:.0f} min",
+                        plot_path, k=5)
     common.print_header("GRPO on GSM8K", settings, started, load_before)
-    print(f"accuracy on the first {args.eval_questions} test questions: {before['accuracy']:.1%} -> "
-          f"{after['accuracy']:.1%} ({summary['newly_correct']} newly right, {summary['newly_wrong']} newly wrong); "
-          f"'#### N' format {before['format_rate']:.1%} -> {after['format_rate']:.1%}\n")
+    print(f"accuracy on the first {args.eval_questions} test questions: {summary['accuracy_before']:.1%} -> "
+          f"{summary['accuracy_after']:.1%} ({summary['accuracy_newly_1']} newly right, "
+          f"{summary['accuracy_newly_0']} newly wrong, McNemar exact p = {a:.3g}); '#### N' at the end "
+          f"{summary['format_rate_before']:.1%} -> {summary['format_rate_after']:.1%} (p = {f:.3g}); mean length "
+          f"{summary['mean_length_before']:.0f} -> {summary['mean_length_after']:.0f} tokens; frac_reward_zero_std "
+          f"{summary['frac_reward_zero_std_mean']:.2f} over the run\n")
     print(phase_table(before, trained, after, args.prompts_per_step * args.generations))
     print(f"\nresults: {args.json}, {plot_path}")
 

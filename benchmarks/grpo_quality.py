@@ -27,7 +27,6 @@ with bf16, as the rollouts do), the same for before and after.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -40,6 +39,8 @@ import common
 RESULTS = Path(__file__).resolve().parent / "results"
 INSTRUCTION = "Answer with just the number."
 JUST_A_NUMBER = r"^\s*-?\d+\s*$"
+SERIES = [("reward", "total reward"), ("rewards/exact_answer/mean", "exact_answer"),
+          ("rewards/regex/mean", "just the number (regex)")]
 
 
 def arithmetic_items(count: int, seed: int) -> list[dict]:
@@ -58,15 +59,6 @@ def arithmetic_items(count: int, seed: int) -> list[dict]:
         rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? {INSTRUCTION}"}],
                      "answer": str(result)})
     return rows
-
-
-def mcnemar_exact(newly_right: int, newly_wrong: int) -> float:
-    """Two-sided exact McNemar p-value: twice the smaller binomial(n, 1/2) tail of the discordant pairs."""
-    n = newly_right + newly_wrong
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(newly_right, newly_wrong) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,43 +134,6 @@ def run(kind: str, spec: dict, timeout: float) -> dict:
     return result
 
 
-def smooth(values: list[float], k: int = 10) -> list[float]:
-    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
-
-
-def plot(steps: list[dict], title: str, settings: str, path: Path) -> None:
-    """Rewards per step (top) and the share of groups with no reward variance (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [s["step"] for s in steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
-    for key, label, color in [("reward", "total reward", "C0"), ("rewards/exact_answer/mean", "exact_answer", "C1"),
-                              ("rewards/regex/mean", "just the number (regex)", "C2")]:
-        y = [s.get(key, float("nan")) for s in steps]
-        top.plot(x, y, color=color, alpha=0.25, linewidth=1)
-        top.plot(x, smooth(y), color=color, linewidth=2, label=f"{label} (10-step mean)")
-    top.set_ylabel("mean reward per completion")
-    top.set_title(title, fontsize=10)
-    top.grid(alpha=0.3)
-    top.legend(loc="lower right", fontsize=8)
-    zero = [s.get("frac_reward_zero_std", float("nan")) for s in steps]
-    bottom.plot(x, zero, color="C3", alpha=0.25, linewidth=1)
-    bottom.plot(x, smooth(zero), color="C3", linewidth=2, label="frac_reward_zero_std (10-step mean)")
-    bottom.set_ylim(-0.02, 1.02)
-    bottom.set_xlabel("optimizer step")
-    bottom.set_ylabel("groups without signal")
-    bottom.grid(alpha=0.3)
-    bottom.legend(loc="upper right", fontsize=8)
-    fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def by_operation(items: list[dict]) -> dict:
     """Held-out items, right before and right after, per operation ("+", "-")."""
     out: dict[str, dict[str, int]] = {}
@@ -191,19 +146,14 @@ def by_operation(items: list[dict]) -> dict:
 
 
 def summarize(before: dict, after: dict, steps: list[dict], total: float, load: tuple[float, float]) -> dict:
-    both = list(zip(before["correct"], after["correct"]))
-    right = sum(a == 0 and b == 1 for a, b in both)
-    wrong = sum(a == 1 and b == 0 for a, b in both)
-    zero = [s["frac_reward_zero_std"] for s in steps if "frac_reward_zero_std" in s]
-    tenth = max(1, len(zero) // 10)
-    return {"eval_items": len(both), "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-            "newly_correct": right, "newly_wrong": wrong, "mcnemar_exact_p": mcnemar_exact(right, wrong),
+    test = common.paired(before["correct"], after["correct"], "accuracy")
+    return {"eval_items": len(before["correct"]), "accuracy_before": test["accuracy_before"],
+            "accuracy_after": test["accuracy_after"], "newly_correct": test["accuracy_newly_1"],
+            "newly_wrong": test["accuracy_newly_0"], "mcnemar_exact_p": test["accuracy_mcnemar_p"],
             "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
             "mean_length_before": before["mean_length"], "mean_length_after": after["mean_length"],
-            "frac_reward_zero_std_mean": sum(zero) / len(zero) if zero else None,
-            "frac_reward_zero_std_first_10pct": sum(zero[:tenth]) / tenth if zero else None,
-            "frac_reward_zero_std_last_10pct": sum(zero[-tenth:]) / tenth if zero else None,
-            "total_s": total, "load_average_before": load[0], "load_average_after": load[1]}
+            **common.zero_std_summary(steps), "total_s": total, "load_average_before": load[0],
+            "load_average_after": load[1]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     summary["correct_by_operation"] = by_operation(items_out)
     common.write_json(args.json, "grpo_quality", args, runs, [], summary=summary, items=items_out)
     p = summary["mcnemar_exact_p"]
-    plot(trained["steps"], f"GRPO on 2-digit arithmetic, {args.model.name}, CPU\nheld-out accuracy (greedy) "
+    common.plot_rewards(trained["steps"], SERIES, f"GRPO on 2-digit arithmetic, {args.model.name}, CPU\nheld-out accuracy (greedy) "
          f"{summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%}, McNemar p = {p:.2g}",
          f"{settings}; total {total / 60:.0f} min", plot_path)
     common.print_header("GRPO on 2-digit arithmetic", settings, started, load_before)

@@ -180,10 +180,23 @@ def child_trl(spec: dict, started: float) -> dict:
 # Parent side: the split, the runs and the tables
 
 
-def split_pairs(source: Path, work: Path, seed: int, train_fraction: float) -> tuple[Path, Path, int, list[dict]]:
-    """A fixed shuffle of the HH pairs into train and held-out jsonl files."""
+def last_turn(row: dict) -> dict:
+    """The pair with its shared conversation cut to the final human turn (both replies kept whole)."""
+    from trainer.preferences import split_implicit_prompt
+
+    prompt, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
+    start = prompt.rfind("\n\nHuman:")
+    prompt = prompt[start:] if start >= 0 else prompt
+    return {"chosen": prompt + chosen, "rejected": prompt + rejected}
+
+
+def split_pairs(source: Path, work: Path, seed: int, train_fraction: float,
+                view: str = "full") -> tuple[Path, Path, int, list[dict]]:
+    """A fixed shuffle of the HH pairs into train and held-out jsonl files (`view`: full or last-turn)."""
     with common.open_text(source) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
+    if view == "last-turn":
+        rows = [last_turn(row) for row in rows]
     random.Random(seed).shuffle(rows)
     cut = round(train_fraction * len(rows))
     train = common.write_jsonl(work / "hh-harmless-train.jsonl", rows[:cut])
@@ -242,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=5e-5, help="Peak learning rate (linear decay).")
     parser.add_argument("--warmup-ratio", type=float, default=0.1, help="Fraction of steps warming up.")
     parser.add_argument("--train-fraction", type=float, default=0.8, help="Share of the pairs trained on.")
+    parser.add_argument("--split-seed", type=int, default=0,
+                        help="Seed of the train/held-out shuffle (--seed seeds training: the head, the batch order).")
+    parser.add_argument("--view", choices=("full", "last-turn"), default="full",
+                        help="What the model reads: the whole conversation, or only its final human turn and the "
+                             "replies (`last-turn`).")
     parser.add_argument("--score-batch-size", type=int, default=32, help="Texts per forward when scoring.")
     parser.add_argument("--bf16", action="store_true",
                         help="Mixed precision in every trainer: `bf16=True` (bfloat16 autocast, float32 weights).")
@@ -260,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-reward-"))
     started = common.clock()
     try:
-        train_path, test_path, num_train, test_rows = split_pairs(source, work, args.seed, args.train_fraction)
+        train_path, test_path, num_train, test_rows = split_pairs(
+            source, work, args.split_seed, args.train_fraction, args.view)
         plan = [(f"{trainer} #{repeat + 1}", {"trainer": trainer, "repeat": repeat},
                  dict(trainer=trainer, model_path=str(args.model), train_path=str(train_path),
                       test_path=str(test_path), epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
@@ -282,8 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     medians = common.median_rows(runs, ["trainer"])
     length = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs = {runs[0]['steps']} steps"
     settings = (f"{args.model.name}, {num_train} training pairs, {length} of {args.batch_size} pairs, max_length "
-                f"{args.max_length} (keep_end), lr {args.learning_rate:g} linear, warmup {args.warmup_ratio:g}, "
-                f"{common.precision(args.bf16)}, {args.threads} threads, seed {args.seed}, "
+                f"{args.max_length} (keep_end), view {args.view}, split seed {args.split_seed}, lr {args.learning_rate:g} "
+                f"linear, warmup {args.warmup_ratio:g}, {common.precision(args.bf16)}, {args.threads} threads, seed {args.seed}, "
                 f"first {args.warmup_steps} steps untimed, medians of {args.repeats}")
     common.print_header("Reward model", settings, started, load_before)
     print(tables(medians))
