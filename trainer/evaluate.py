@@ -79,7 +79,8 @@ class EvalConfig:
     dataset_split: str = option("test", "Split to use when the dataset has several (hub ids, saved DatasetDicts).")
     max_samples: int | None = option(None, "Evaluate the first this many prompts only (default: all).")
     reward_funcs: list[str] = option([], "Reward functions: built-ins (exact_answer, accuracy_reward, answer_format, "
-                                         "regex:<pattern>, length:<N>, soft_overlong_punishment:<max>:<cache>), import paths `pkg.module:fn` with TRL's signature, or reward-model "
+                                         "regex:<pattern>, length:<N>, soft_overlong_punishment:<max>:<cache>), "
+                                         "import paths `pkg.module:fn` with TRL's signature, or reward-model "
                                          "checkpoints. `reward` is their weighted sum (none: no `reward` metric).")
     reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
     reward_label: str | None = option(None, "For reward models (in `reward_funcs`, or the `reward_model` judge) that "

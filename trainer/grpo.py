@@ -86,9 +86,9 @@ class GRPOConfig(TrainConfig):
     max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
     logging_steps: int = option(1, "Log metrics every this many steps.")
     reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, accuracy_reward, "
-                                     "answer_format, regex:<pattern>, length:<N>, soft_overlong_punishment:<max>:<cache>), "
-                                     "import paths `pkg.module:fn` with TRL's "
-                                     "signature, or reward models: checkpoint folders, s3:// URIs or hub ids "
+                                     "answer_format, regex:<pattern>, length:<N>, "
+                                     "soft_overlong_punishment:<max>:<cache>), import paths `pkg.module:fn` with "
+                                     "TRL's signature, or reward models: checkpoint folders, s3:// URIs or hub ids "
                                      "(org/name, from the local HF cache or downloaded).")
     reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
     reward_label: str | None = option(None, "For reward models that are classifiers with several labels (e.g. a "

@@ -285,8 +285,8 @@ def make_soft_overlong_punishment(spec: str):
     except ValueError:
         limit = cache = 0
     if not 0 < cache <= limit:
-        raise ConfigError(f"soft_overlong_punishment:<max>:<cache> needs whole numbers 0 < cache <= max, got {spec!r} "
-                          "(e.g. soft_overlong_punishment:256:64 with max_completion_length 256).")
+        raise ConfigError(f"soft_overlong_punishment:<max>:<cache> needs whole numbers 0 < cache <= max, got "
+                          f"{spec!r} (e.g. soft_overlong_punishment:256:64 with max_completion_length 256).")
     start = limit - cache
 
     def soft_overlong_punishment(prompts, completions, completion_ids=None, **_) -> list[float]:
@@ -327,7 +327,8 @@ def load_reward_function(spec: str, device: str = "cpu", label: str | None = Non
         return fn
     if storage.is_remote(spec) or Path(spec).is_dir() or hub_model_available(spec):
         return RewardModelScorer(spec, device=device, label=label, label_score=label_score)
-    known = ", ".join([*BUILTIN_REWARDS, "regex:<pattern>", "length:<N>", "soft_overlong_punishment:<max>:<cache>"])
+    known = ", ".join([*BUILTIN_REWARDS, "regex:<pattern>", "length:<N>",
+                       "soft_overlong_punishment:<max>:<cache>"])
     raise ConfigError(f"Unknown reward function {spec!r}: it is neither a function (a built-in: {known}; or an import "
                      "path `pkg.module:function`), nor a file (a reward-model folder or s3:// URI), nor a hub model in "
                      "the local Hugging Face cache or downloadable from the hub.")
@@ -371,8 +372,11 @@ def score_completions(funcs, prompts: list, completions: list, columns: dict[str
         try:
             scores = fn(prompts=prompts, completions=completions, **columns)
         except Exception as err:
+            hint = (" Reward functions take TRL's signature: end the parameters with **kwargs (they receive every "
+                    "dataset column and completion_ids)." if isinstance(err, TypeError) and "keyword" in str(err) else "")
             raise RewardError(f"Reward function `{name}` raised {type(err).__name__}: {err} "
-                              f"(first sample: prompt={_short(prompts[0])}, completion={_short(completions[0])})") from err
+                              f"(first sample: prompt={_short(prompts[0])}, completion={_short(completions[0])}).{hint}"
+                              ) from err
         if not isinstance(scores, list | tuple) or len(scores) != len(completions):
             got = len(scores) if isinstance(scores, list | tuple) else type(scores).__name__
             raise RewardError(f"Reward function `{name}` returned {got} scores for {len(completions)} completions; "

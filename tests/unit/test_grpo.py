@@ -39,6 +39,10 @@ def returns_nan(prompts, completions, **_):
     return [float("nan")] * len(completions)
 
 
+def no_kwargs(prompts, completions):
+    return [0.0] * len(completions)
+
+
 def needs_column(prompts, completions, target, **_):
     assert len(target) == len(completions)
     return [1.0 if t in c else 0.0 for c, t in zip(completions, target)]
@@ -270,6 +274,7 @@ def test_resume_matches_straight_run(tiny_model, tmp_path):
 @pytest.mark.parametrize(("func", "message"), [
     ("wrong_length", "returned 1 scores for 16 completions"),
     ("returns_nan", "returned nan for sample 0"),
+    ("no_kwargs", r"unexpected keyword argument.*end the parameters with \*\*kwargs"),
 ])
 def test_misbehaving_reward_function_is_named(tiny_model, tmp_path, func, message):
     with pytest.raises(RewardError, match=message) as err:
