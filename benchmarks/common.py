@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib
 import importlib.util
 import inspect
 import json
@@ -686,6 +687,25 @@ def floor_row(phase: str, seconds: float | None, work: float | None, unit: str, 
 
 
 FLOOR_HEADERS = ["phase", "s/step", "work (G)", "unit", "achieved (G/s)", "peak (G/s)", "% of peak"]
+
+
+def parse_overrides(items: Sequence[str], config_class: str) -> dict[str, Any]:
+    """`--set FIELD=VALUE` items as overrides of a trainer config dataclass (`module:Class`); VALUE is
+    read as JSON, else as a string. Exits naming an unknown field."""
+    import dataclasses
+
+    module, _, name = config_class.partition(":")
+    fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            sys.exit(f"--set {item!r}: expected FIELD=VALUE with FIELD a {name} field.")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

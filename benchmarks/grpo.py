@@ -236,24 +236,6 @@ def child_probe(spec: dict, started: float) -> dict:
 # Parent side: data, models, the runs and the tables
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """`--set KEY=VALUE` items as GRPOConfig overrides (VALUE read as JSON, else as a string);
-    exits naming an unknown field."""
-    from trainer.grpo import GRPOConfig
-
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            sys.exit(f"--set {item!r}: expected FIELD=VALUE with FIELD a GRPOConfig field (e.g. log_completions_steps=10).")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def parse_env(items: list[str]) -> dict[str, str]:
     """`--child-env NAME=VALUE` items (an empty VALUE unsets NAME in the training children)."""
     out = {}
@@ -384,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
     common.require_trl(trainers)
     source = common.data_path(args.data, "gsm8k/train.jsonl")
-    overrides, env_overrides = parse_overrides(args.set), parse_env(args.child_env)
+    overrides, env_overrides = common.parse_overrides(args.set, "trainer.grpo:GRPOConfig"), parse_env(args.child_env)
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-grpo-"))
     runs, data_info, cases, counts = [], {}, [], {}

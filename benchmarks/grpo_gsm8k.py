@@ -14,7 +14,7 @@ length budget, vLLM rollouts, on CPU, with a paired test.
              answer_format   (the completion ends with it)  x `--format-weight`   } for the format
              soft_overlong_punishment:<new tokens>:<cache>  x `--overlong-weight`  (DAPO's length
                budget: 0 up to new tokens − `--overlong-cache`, then down to −1 at the cap)
-           `--overlong-weight 0 --marker-weight 0 --format-weight 0.2 --new-tokens 160
+           `--overlong-weight 0 --marker-weight 0 --format-weight 0.2 --new-tokens 160 --micro-batch 16
            --generations 4 --no-bf16 --learning-rate 5e-6 --steps 50 --eval-questions 200` is the
            earlier run (exact answer + 0.2 x format only, results/grpo_gsm8k_v1.json)
 3. after   the same evaluation of the trained model
@@ -100,7 +100,8 @@ def child_train(spec: dict) -> dict:
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
         bf16=spec["bf16"], rollout_engine="vllm", max_steps=spec["steps"], num_generations=spec["generations"],
-        per_device_batch_size=spec["prompts_per_step"] * spec["generations"], gradient_accumulation_steps=1,
+        per_device_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["prompts_per_step"] * spec["generations"] // spec["micro_batch"],
         max_prompt_length=spec["max_prompt_length"], max_completion_length=spec["new_tokens"],
         temperature=spec["temperature"], learning_rate=spec["learning_rate"], lr_scheduler="constant",
         beta=0.0, loss_type="dapo", scale_rewards="group", reward_funcs=spec["reward_funcs"],
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=common.SMOLLM2, help="Starting model (HF folder).")
     parser.add_argument("--generations", type=int, default=8, help="Completions per prompt (G).")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="Prompts per step (x G completions).")
+    parser.add_argument("--micro-batch", type=int, default=8,
+                        help="Completions per forward/backward (one optimizer step per generation either way).")
     parser.add_argument("--new-tokens", type=int, default=256, help="max_completion_length in training.")
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="Constant learning rate (AdamW).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         return child_main(kind, spec)
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; make SmolLM2 with scripts/get_smollm2.sh or pass --model.")
+    if (args.prompts_per_step * args.generations) % args.micro_batch:
+        sys.exit("--micro-batch must divide --prompts-per-step x --generations.")
     if args.overlong_weight and not 0 < args.overlong_cache <= args.new_tokens:
         sys.exit("--overlong-cache must be in 1..--new-tokens.")
     train_source = common.data_path(args.data, "gsm8k/train.jsonl")
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         before = evaluate(args.model, "before")
         train_spec = dict(shared, model_path=str(args.model), data_path=str(train), out_dir=str(work / "out"),
                           steps=args.steps, generations=args.generations, prompts_per_step=args.prompts_per_step,
-                          new_tokens=args.new_tokens, learning_rate=args.learning_rate, bf16=args.bf16,
+                          micro_batch=args.micro_batch, new_tokens=args.new_tokens, learning_rate=args.learning_rate, bf16=args.bf16,
                           temperature=args.temperature, reward_funcs=reward_funcs, reward_weights=reward_weights)
         log(f"training {args.steps} steps with {list(zip(reward_funcs, reward_weights))} ...")
         trained = run("train", train_spec, args.timeout)
@@ -239,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     total = common.clock() - started
     weighted = " + ".join(f"{w:g} x {n}" for n, w in zip(reward_funcs, reward_weights))
-    settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, {args.steps} steps, "
+    settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step (micro-batches of {args.micro_batch}), "
+                f"{args.steps} steps, "
                 f"max_completion_length={args.new_tokens}, lr={args.learning_rate:g} constant, "
                 f"T={args.temperature:g}, beta=0, dapo, rewards {weighted}, vLLM rollouts, "
                 f"{common.precision(args.bf16)}, {args.threads} CPU threads; eval greedy, {args.eval_new_tokens} tokens")

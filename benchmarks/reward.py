@@ -81,7 +81,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
         output_dir=spec["out_dir"], num_epochs=spec["epochs"], max_steps=spec["steps"] or -1,
         per_device_batch_size=spec["batch_size"], learning_rate=spec["learning_rate"],
         warmup_ratio=spec["warmup_ratio"], max_length=spec["max_length"], bf16=spec["bf16"],
-        seed=spec["seed"], logging_steps=10, disable_progress_bar=True)
+        seed=spec["seed"], logging_steps=10, disable_progress_bar=True, **spec.get("overrides", {}))
     reward.run_reward(config)
     trained, rss_after_train = common.clock(), common.self_peak_rss_mb()
     final_eval = checkpoint.read_history(spec["out_dir"])[-1]
@@ -190,18 +190,20 @@ def last_turn(row: dict) -> dict:
     return {"chosen": prompt + chosen, "rejected": prompt + rejected}
 
 
-def split_pairs(source: Path, work: Path, seed: int, train_fraction: float,
-                view: str = "full") -> tuple[Path, Path, int, list[dict]]:
-    """A fixed shuffle of the HH pairs into train and held-out jsonl files (`view`: full or last-turn)."""
+def split_pairs(source: Path, work: Path, seed: int, train_fraction: float, view: str = "full",
+                train_pairs: int | None = None) -> tuple[Path, Path, int, list[dict]]:
+    """A fixed shuffle of the HH pairs into train and held-out jsonl files (`view`: full or last-turn);
+    `train_pairs` keeps only the first that many training pairs (the held-out set stays the same)."""
     with common.open_text(source) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     if view == "last-turn":
         rows = [last_turn(row) for row in rows]
     random.Random(seed).shuffle(rows)
     cut = round(train_fraction * len(rows))
-    train = common.write_jsonl(work / "hh-harmless-train.jsonl", rows[:cut])
+    kept = rows[:cut][:train_pairs]
+    train = common.write_jsonl(work / "hh-harmless-train.jsonl", kept)
     test = common.write_jsonl(work / "hh-harmless-test.jsonl", rows[cut:])
-    return train, test, cut, rows[cut:]
+    return train, test, len(kept), rows[cut:]
 
 
 def shorter_reply_accuracy(rows: list[dict]) -> float:
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=5e-5, help="Peak learning rate (linear decay).")
     parser.add_argument("--warmup-ratio", type=float, default=0.1, help="Fraction of steps warming up.")
     parser.add_argument("--train-fraction", type=float, default=0.8, help="Share of the pairs trained on.")
+    parser.add_argument("--train-pairs", type=int, default=None,
+                        help="Train on only the first N training pairs (a learning curve; the held-out set is unchanged).")
     parser.add_argument("--split-seed", type=int, default=0,
                         help="Seed of the train/held-out shuffle (--seed seeds training: the head, the batch order).")
     parser.add_argument("--view", choices=("full", "last-turn"), default="full",
@@ -263,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--score-batch-size", type=int, default=32, help="Texts per forward when scoring.")
     parser.add_argument("--bf16", action="store_true",
                         help="Mixed precision in every trainer: `bf16=True` (bfloat16 autocast, float32 weights).")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="Override a RewardConfig field of the alignflow runs (e.g. disable_dropout=false).")
     common.add_run_flags(parser, HH, warmup=2, timeout=1800)
     parser.set_defaults(seed=0, repeats=1)
     args = parser.parse_args(argv)
@@ -279,13 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     started = common.clock()
     try:
         train_path, test_path, num_train, test_rows = split_pairs(
-            source, work, args.split_seed, args.train_fraction, args.view)
+            source, work, args.split_seed, args.train_fraction, args.view, args.train_pairs)
         plan = [(f"{trainer} #{repeat + 1}", {"trainer": trainer, "repeat": repeat},
                  dict(trainer=trainer, model_path=str(args.model), train_path=str(train_path),
                       test_path=str(test_path), epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                       max_length=args.max_length, learning_rate=args.learning_rate, warmup_ratio=args.warmup_ratio,
                       score_batch_size=args.score_batch_size, warmup_steps=args.warmup_steps,
-                      threads=args.threads, seed=args.seed, bf16=args.bf16))
+                      threads=args.threads, seed=args.seed, bf16=args.bf16,
+                      overrides=common.parse_overrides(args.set, "trainer.reward:RewardConfig")))
                 for repeat, trainer in common.alternating(trainers, args.repeats)]
         print(f"Training reward models on {train_path.name} ...", file=sys.stderr, flush=True)
         runs = common.run_trainers(__file__, plan, work, args.threads, args.timeout, show=lambda r: (
@@ -303,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = (f"{args.model.name}, {num_train} training pairs, {length} of {args.batch_size} pairs, max_length "
                 f"{args.max_length} (keep_end), view {args.view}, split seed {args.split_seed}, lr {args.learning_rate:g} "
                 f"linear, warmup {args.warmup_ratio:g}, {common.precision(args.bf16)}, {args.threads} threads, seed {args.seed}, "
-                f"first {args.warmup_steps} steps untimed, medians of {args.repeats}")
+                f"first {args.warmup_steps} steps untimed, medians of {args.repeats}"
+                + "".join(f", {item}" for item in args.set))
     common.print_header("Reward model", settings, started, load_before)
     print(tables(medians))
     if args.json:
