@@ -8,15 +8,19 @@ length budget, vLLM rollouts, on CPU, with a paired test.
            per-question accuracy (`exact_answer`: the number after the last "####", else the last
            number, against the reference), `#### N` format at the end (`answer_format`), length
 2. train   `run_grpo` on GSM8K train prompts (the first `--train-prompts` of `--data`, default
-           ../shared/data/gsm8k/train.jsonl) with in-process vLLM rollouts and four rewards:
-             exact_answer                                  x 1
-             regex:####\s*-?[\d,]*\d  (a "#### N" anywhere)  x `--marker-weight`   } partial credit
-             answer_format   (the completion ends with it)  x `--format-weight`   } for the format
-             soft_overlong_punishment:<new tokens>:<cache>  x `--overlong-weight`  (DAPO's length
-               budget: 0 up to new tokens − `--overlong-cache`, then down to −1 at the cap)
-           `--overlong-weight 0 --marker-weight 0 --format-weight 0.2 --new-tokens 160 --micro-batch 16
-           --generations 4 --no-bf16 --learning-rate 5e-6 --steps 50 --eval-questions 200` is the
-           earlier run (exact answer + 0.2 x format only, results/grpo_gsm8k_v1.json)
+           ../shared/data/gsm8k/train.jsonl) with in-process vLLM rollouts and the rewards
+             exact_answer                                              x 1
+             regex: "#### N" ends the completion after >= `--working-chars`
+               characters of working (the format; 0: answer_format)    x `--format-weight`
+             regex:####\s*-?[\d,]*\d  ("#### N" anywhere, optional)  x `--marker-weight`
+             soft_overlong_punishment:<new tokens>:<cache>             x `--overlong-weight`
+               (DAPO's length budget: 0 up to new tokens − `--overlong-cache`, then down to −1)
+           Runs recorded (results/): v1 `--working-chars 0 --overlong-weight 0 --format-weight 0.2
+           --new-tokens 160 --micro-batch 16 --generations 4 --no-bf16 --learning-rate 5e-6 --steps 50
+           --eval-questions 200` (exact answer + 0.2 x format only); v2 `--working-chars 0
+           --marker-weight 0.25 --overlong-weight 0.5` (the policy learned to answer a bare "#### N"
+           with no working: format 100%, accuracy down); v3 the defaults (the format only counts
+           after working)
 3. after   the same evaluation of the trained model
 4. test    McNemar's exact test on the paired per-question results, for accuracy and for format
 5. write   `--json` (default benchmarks/results/grpo_gsm8k.json: config, environment, summary,
@@ -44,17 +48,27 @@ import common
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MARKER = r"####\s*-?[\d,]*\d"
-SERIES = [("reward", "total reward"), ("rewards/exact_answer/mean", "exact_answer"),
-          ("rewards/regex/mean", "'#### N' anywhere"), ("rewards/answer_format/mean", "'#### N' at the end"),
-          ("rewards/soft_overlong_punishment/mean", "soft_overlong_punishment")]
 
 
-def reward_specs(args) -> tuple[list[str], list[float]]:
-    """The training rewards and their weights (a zero weight leaves a reward out)."""
-    specs = [("exact_answer", 1.0), (f"regex:{MARKER}", args.marker_weight), ("answer_format", args.format_weight),
-             (f"soft_overlong_punishment:{args.new_tokens}:{args.overlong_cache}", args.overlong_weight)]
-    kept = [(name, weight) for name, weight in specs if weight]
-    return [name for name, _ in kept], [weight for _, weight in kept]
+def reward_specs(args) -> tuple[list[str], list[float], list[tuple[str, str]]]:
+    """The training rewards, their weights (a zero weight leaves a reward out) and the plot's series.
+    With `--working-chars N`, the format reward is a regex: "#### N" ends the completion *after* at
+    least N characters of working, so that skipping the reasoning earns nothing."""
+    if args.working_chars:
+        format_spec, format_label = (f"regex:[\\s\\S]{{{args.working_chars},}}{MARKER}\\s*$",
+                                     f"'#### N' at the end after {args.working_chars}+ characters")
+    else:
+        format_spec, format_label = "answer_format", "'#### N' at the end"
+    specs = [("exact_answer", 1.0, "exact_answer"), (f"regex:{MARKER}", args.marker_weight, "'#### N' anywhere"),
+             (format_spec, args.format_weight, format_label),
+             (f"soft_overlong_punishment:{args.new_tokens}:{args.overlong_cache}", args.overlong_weight,
+              "soft_overlong_punishment")]
+    kept = [spec for spec in specs if spec[1]]
+    names = [name.partition(":")[0] for name, _, _ in kept]
+    if len(set(names)) < len(names):
+        sys.exit("--working-chars makes the format reward a regex: set --marker-weight 0 (metrics are per name).")
+    series = [("reward", "total reward"), *((f"rewards/{n}/mean", label) for n, (_, _, label) in zip(names, kept))]
+    return [name for name, _, _ in kept], [weight for _, weight, _ in kept], series
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,6 +177,13 @@ def summarize(before: dict, after: dict, steps: list[dict], total: float, load: 
             "load_average_after": load[1]}
 
 
+def plot_title(model: str, summary: dict) -> str:
+    return (f"GRPO on GSM8K, {model}, CPU; {summary['eval_questions']} test questions (greedy):\n"
+            f"accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "
+            f"(p = {summary['accuracy_mcnemar_p']:.2g}), '#### N' at the end {summary['format_rate_before']:.1%} -> "
+            f"{summary['format_rate_after']:.1%} (p = {summary['format_rate_mcnemar_p']:.2g})")
+
+
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -178,11 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="max_completion_length in training.")
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="Constant learning rate (AdamW).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Rollout sampling temperature.")
-    parser.add_argument("--marker-weight", type=float, default=0.25,
+    parser.add_argument("--marker-weight", type=float, default=0.0,
                         help="Weight of the '#### N' anywhere reward (partial format credit; 0 leaves it out).")
     parser.add_argument("--format-weight", type=float, default=0.25,
-                        help="Weight of answer_format ('#### N' at the very end; 0 leaves it out).")
-    parser.add_argument("--overlong-weight", type=float, default=0.5,
+                        help="Weight of the format reward ('#### N' at the very end; 0 leaves it out).")
+    parser.add_argument("--working-chars", type=int, default=150,
+                        help="The format reward counts only after this many characters of working (0: the "
+                             "built-in answer_format, which a bare '#### N' satisfies).")
+    parser.add_argument("--overlong-weight", type=float, default=0.25,
                         help="Weight of soft_overlong_punishment (0 leaves it out).")
     parser.add_argument("--overlong-cache", type=int, default=64,
                         help="Its soft band: the punishment starts this many tokens before --new-tokens.")
@@ -208,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--overlong-cache must be in 1..--new-tokens.")
     train_source = common.data_path(args.data, "gsm8k/train.jsonl")
     test_source = common.data_path(args.eval_data, "gsm8k/test.jsonl", "--eval-data")
-    reward_funcs, reward_weights = reward_specs(args)
+    reward_funcs, reward_weights, series = reward_specs(args)
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-grpo-gsm8k-"))
     started = common.clock()
@@ -254,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     items = [{"question": r["prompt"][0]["content"], "answer": r["answer"], **{
         f"{key}_{when}": result[key][i] for when, result in (("before", before), ("after", after))
         for key in ("correct", "formatted", "lengths", "completions")}} for i, r in enumerate(rows)]
+    table = phase_table(before, trained, after, args.prompts_per_step * args.generations)
     for result in (before, after):
         for key in ("correct", "formatted", "lengths", "completions"):
             result.pop(key)
@@ -262,11 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     common.write_json(args.json, "grpo_gsm8k", args, runs, [], summary=summary, items=items,
                       instruction=common.GSM8K_INSTRUCTION)
     a, f = summary["accuracy_mcnemar_p"], summary["format_rate_mcnemar_p"]
-    common.plot_rewards(trained["steps"], SERIES, f"GRPO on GSM8K, {args.model.name}, CPU; {args.eval_questions} test "
-                        f"questions (greedy): accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "
-                        f"(p = {a:.2g}), '#### N' {summary['format_rate_before']:.1%} -> "
-                        f"{summary['format_rate_after']:.1%} (p = {f:.2g})", f"{settings}; total {total / 60:.0f} min",
-                        plot_path, k=5)
+    common.plot_rewards(trained["steps"], series, plot_title(args.model.name, summary),
+                        f"{settings}; total {total / 60:.0f} min", plot_path, k=5)
     common.print_header("GRPO on GSM8K", settings, started, load_before)
     print(f"accuracy on the first {args.eval_questions} test questions: {summary['accuracy_before']:.1%} -> "
           f"{summary['accuracy_after']:.1%} ({summary['accuracy_newly_1']} newly right, "
@@ -274,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{summary['format_rate_before']:.1%} -> {summary['format_rate_after']:.1%} (p = {f:.3g}); mean length "
           f"{summary['mean_length_before']:.0f} -> {summary['mean_length_after']:.0f} tokens; frac_reward_zero_std "
           f"{summary['frac_reward_zero_std_mean']:.2f} over the run\n")
-    print(phase_table(before, trained, after, args.prompts_per_step * args.generations))
+    print(table)
     print(f"\nresults: {args.json}, {plot_path}")
 
 
