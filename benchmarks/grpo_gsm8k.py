@@ -63,10 +63,10 @@ def reward_specs(args) -> tuple[list[str], list[float], list[tuple[str, str]]]:
              (format_spec, args.format_weight, format_label),
              (f"soft_overlong_punishment:{args.new_tokens}:{args.overlong_cache}", args.overlong_weight,
               "soft_overlong_punishment")]
+    from trainer.rewards import load_reward_function, reward_names
+
     kept = [spec for spec in specs if spec[1]]
-    names = [name.partition(":")[0] for name, _, _ in kept]
-    if len(set(names)) < len(names):
-        sys.exit("--working-chars makes the format reward a regex: set --marker-weight 0 (metrics are per name).")
+    names = reward_names([load_reward_function(name) for name, _, _ in kept])  # the trainer's metric names
     series = [("reward", "total reward"), *((f"rewards/{n}/mean", label) for n, (_, _, label) in zip(names, kept))]
     return [name for name, _, _ in kept], [weight for _, weight, _ in kept], series
 
@@ -124,9 +124,8 @@ def child_train(spec: dict) -> dict:
     start = time.perf_counter()
     grpo.run_grpo(config)
     history = checkpoint.read_history(spec["out_dir"])
-    keys = ["reward", "reward_std", *(f"rewards/{name}/mean" for name in
-                                      ("exact_answer", "regex", "answer_format", "soft_overlong_punishment")),
-            "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "kl", "entropy",
+    keys = ["reward", "reward_std", *sorted({k for r in history for k in r if k.startswith("rewards/") and
+                                             k.endswith("/mean")}), "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "kl", "entropy",
             "loss", "grad_norm", "step_time", "timing/generate", "timing/update", "timing/sync"]
     steps = [{"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in history if "reward" in r]
     return {"steps": steps, "train_s": time.perf_counter() - start}

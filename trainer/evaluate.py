@@ -48,7 +48,7 @@ from trainer.data import DataError, is_conversational, load_rows
 from trainer.losses import combine_rewards
 from trainer.models import load_causal_lm, load_tokenizer, model_and_tokenizer, resolve_model_path
 from trainer.progress import Reporter
-from trainer.rewards import RewardModelScorer, load_reward_function, reward_name, score_completions
+from trainer.rewards import RewardModelScorer, load_reward_function, reward_names, score_completions
 from trainer.rollout import Completion, SamplingConfig, make_engine
 from trainer.tracking import Tracker
 
@@ -264,7 +264,7 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
                         f"has only {sorted(rows.column_names)}.")
     funcs = [load_reward_function(spec, device=str(_device()), label=config.reward_label,
                                   label_score=config.reward_label_score) for spec in config.reward_funcs]
-    names = [reward_name(f) for f in funcs]
+    names = reward_names(funcs)
     weights = torch.tensor(config.reward_weights or [1.0] * len(funcs))
     has_answer = "answer" in rows.column_names
     prompts = rows["prompt"]

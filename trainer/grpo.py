@@ -69,7 +69,7 @@ from trainer.models import (
     load_causal_lm,
     model_and_tokenizer,
 )
-from trainer.rewards import load_reward_function, reward_name, score_completions
+from trainer.rewards import load_reward_function, reward_names, score_completions
 from trainer.rollout import SamplingConfig, make_engine
 from trainer.runner import StageRunner
 
@@ -237,7 +237,7 @@ def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet 
                  if config.eval_dataset else None)
     funcs = [load_reward_function(spec, label=config.reward_label, label_score=config.reward_label_score)
              for spec in config.reward_funcs]
-    rewards = RewardSet(funcs, [reward_name(f) for f in funcs],
+    rewards = RewardSet(funcs, reward_names(funcs),
                         torch.tensor(config.reward_weights or [1.0] * len(funcs)))
     check_ranks(config, world, len(data.token_ids))
     return data, eval_data, rewards

@@ -354,6 +354,17 @@ def reward_name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def reward_names(funcs) -> list[str]:
+    """Metric names of the reward functions (`rewards/<name>/mean`): a name that repeats (two `regex:`
+    rewards, two reward models) gets `_2`, `_3`, ... so that no function's metrics overwrite another's."""
+    names, seen = [], {}
+    for fn in funcs:
+        name = reward_name(fn)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return names
+
+
 def score_completions(funcs, prompts: list, completions: list, columns: dict[str, list]):
     """Run every reward function on the batch: a float tensor [N, F] with NaN where a function gave None.
 

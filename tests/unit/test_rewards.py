@@ -142,3 +142,11 @@ def test_soft_overlong_punishment_is_dapos_length_budget():
     for bad in ("soft_overlong_punishment:100", "soft_overlong_punishment:20:100", "soft_overlong_punishment:a:b"):
         with pytest.raises(ConfigError, match=r"0 < cache <= max"):
             check_reward_spec(bad)
+
+
+def test_repeated_reward_names_get_a_suffix():
+    """Two `regex:` rewards (or two reward models) log under distinct names, not over each other."""
+    from trainer.rewards import load_reward_function, reward_names
+
+    funcs = [load_reward_function(s) for s in ("regex:a", "exact_answer", "regex:b", "regex:c")]
+    assert reward_names(funcs) == ["regex", "exact_answer", "regex_2", "regex_3"]
