@@ -124,9 +124,10 @@ def child_train(spec: dict) -> dict:
     start = time.perf_counter()
     grpo.run_grpo(config)
     history = checkpoint.read_history(spec["out_dir"])
-    keys = ["reward", "reward_std", *sorted({k for r in history for k in r if k.startswith("rewards/") and
-                                             k.endswith("/mean")}), "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "kl", "entropy",
-            "loss", "grad_norm", "step_time", "timing/generate", "timing/update", "timing/sync"]
+    per_reward = sorted({k for r in history for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    keys = ["reward", "reward_std", *per_reward, "completions/mean_length", "completions/clipped_ratio",
+            "frac_reward_zero_std", "kl", "entropy", "loss", "grad_norm", "step_time", "timing/generate",
+            "timing/update", "timing/sync"]
     steps = [{"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in history if "reward" in r]
     return {"steps": steps, "train_s": time.perf_counter() - start}
 
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         return result
 
     try:
-        test = common.write_jsonl(work / "test.jsonl", common.gsm8k_rows(test_source, args.eval_questions))
+        rows = common.gsm8k_rows(test_source, args.eval_questions)
+        test = common.write_jsonl(work / "test.jsonl", rows)
         train = common.write_jsonl(work / "train.jsonl", common.gsm8k_rows(train_source, args.train_prompts))
         log(f"evaluating {args.model} on {args.eval_questions} test questions ...")
         before = evaluate(args.model, "before")
@@ -273,7 +275,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"T={args.temperature:g}, beta=0, dapo, rewards {weighted}, vLLM rollouts, "
                 f"{common.precision(args.bf16)}, {args.threads} CPU threads; eval greedy, {args.eval_new_tokens} tokens")
     summary = summarize(before, after, trained["steps"], total, (load_before, os.getloadavg()[0]))
-    rows = common.gsm8k_rows(test_source, args.eval_questions)
     items = [{"question": r["prompt"][0]["content"], "answer": r["answer"], **{
         f"{key}_{when}": result[key][i] for when, result in (("before", before), ("after", after))
         for key in ("correct", "formatted", "lengths", "completions")}} for i, r in enumerate(rows)]
