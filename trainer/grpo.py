@@ -217,14 +217,20 @@ class RewardSet:
     names: list[str]
     weights: torch.Tensor  # [F]
 
-    def score(self, prompts: list, texts: list[str], rows, picked: list[int], group: int,
-              completion_ids: list[list[int]]) -> torch.Tensor:
-        """Rewards of every function, [N, F] (NaN where a function returned None); TRL's calling convention:
-        the dataset's other columns and `completion_ids` as keyword arguments."""
-        conversational = is_conversational(prompts[0])
-        completions = [[{"role": "assistant", "content": x}] for x in texts] if conversational else texts
-        columns = {c: [rows[i][c] for i in picked for _ in range(group)] for c in rows.column_names if c != "prompt"}
-        return score_completions(self.funcs, prompts, completions, {**columns, "completion_ids": completion_ids})
+    def score(self, data: PromptSet, picked: list[int], completions: list[list], tokenizer
+              ) -> tuple[list, list[str], torch.Tensor]:
+        """Decode and score the completions of `data`'s prompts `picked` (one group per prompt): each
+        completion's prompt, its text, and the rewards of every function, [N, F] (NaN where a function
+        returned None). TRL's calling convention: chat completions for chat prompts, the dataset's other
+        columns and `completion_ids` as keyword arguments."""
+        owners = [i for i, group in zip(picked, completions) for _ in group]  # [N] dataset row of each completion
+        flat = [c for group in completions for c in group]
+        prompts = [data.rows[i]["prompt"] for i in owners]
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+        shaped = [[{"role": "assistant", "content": x}] for x in texts] if is_conversational(prompts[0]) else texts
+        columns = {c: [data.rows[i][c] for i in owners] for c in data.columns}
+        columns["completion_ids"] = [list(c.token_ids) for c in flat]
+        return prompts, texts, score_completions(self.funcs, prompts, shaped, columns)
 
 
 def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet | None, RewardSet]:
@@ -275,10 +281,7 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
     run.report.add_cycle(cycle, picked, [len(group) for group in completions])
     timings["timing/generate"], t = time.perf_counter() - t, time.perf_counter()
 
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
-    prompts = [data.rows[i]["prompt"] for i in picked for _ in range(G)]
-    per_func = rewards.score(prompts, texts, data.rows, picked, G,
-                             [list(c.token_ids) for group in completions for c in group])  # [N, F]
+    prompts, texts, per_func = rewards.score(data, picked, completions, tokenizer)  # per_func [N, F]
     combined = combine_rewards(per_func, rewards.weights)  # [N]
     everyone = run.accelerator.gather(combined.to(run.device)).cpu()  # [world*N], rank order
     if config.advantage_estimator == "rloo":
@@ -374,14 +377,12 @@ def log_completions(run: StageRunner, traj: Trajectory, names: list[str], step: 
 def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer,
              sampling: SamplingConfig) -> dict[str, float]:
     """Mean rewards of G sampled completions per held-out prompt (TRL's eval_reward); each rank its share."""
-    per_func, G = [], sampling.n
+    per_func = []
     for part in run.rank_slice(len(data.token_ids), max(1, run.config.prompts_per_cycle)):
         picked = list(part) or [0]  # an empty share still generates (collectives and ZeRO-3 stay in step)
         call = dataclasses.replace(sampling, seed=run.config.seed, prompt_keys=picked)  # the same draws every eval
         completions = engine.generate([data.token_ids[i] for i in picked], call)
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
-        scores = rewards.score([data.rows[i]["prompt"] for i in picked for _ in range(G)], texts, data.rows, picked, G,
-                               [list(c.token_ids) for group in completions for c in group])
+        scores = rewards.score(data, picked, completions, tokenizer)[2]
         per_func.append(scores if len(part) else scores[:0])
     mine = torch.cat(per_func)  # [n, F]
     sums = run.sum_over_ranks({"n": float(len(mine)),

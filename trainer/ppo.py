@@ -278,10 +278,7 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
     run.report.add_cycle(cycle, picked, [len(group) for group in completions])
     timings["timing/generate"], t = time.perf_counter() - t, time.perf_counter()
 
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
-    prompts = [data.rows[i]["prompt"] for i in picked]
-    per_func = rewards.score(prompts, texts, data.rows, picked, 1,
-                             [list(c.token_ids) for group in completions for c in group])  # [N, F]
+    prompts, texts, per_func = rewards.score(data, picked, completions, tokenizer)  # per_func [N, F]
     scores = combine_rewards(per_func, rewards.weights).nan_to_num(0.0).to(run.device)  # [N]; unscorable -> 0
     if config.missing_eos_penalty is not None:
         scores = scores - config.missing_eos_penalty * batch.truncated.float()
