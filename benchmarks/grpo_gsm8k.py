@@ -132,21 +132,8 @@ def child_train(spec: dict) -> dict:
     return {"steps": steps, "train_s": time.perf_counter() - start}
 
 
-def child_main(kind: str, spec: dict) -> None:
-    common.torch_threads(spec["threads"])
-    common.write_result(child_eval(spec) if kind == "eval" else child_train(spec))
-
-
 # ----------------------------------------------------------------------------------------------
 # Parent side
-
-
-def run(kind: str, spec: dict, timeout: float) -> dict:
-    env = common.child_env(spec["threads"], vllm=True)
-    result = common.measure(__file__, [json.dumps([kind, spec])], env, timeout)
-    if result is None:
-        sys.exit(f"The {kind} phase failed; its output is above.")
-    return result
 
 
 def phase_table(before: dict, trained: dict, after: dict, completions_per_step: int) -> str:
@@ -222,8 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                          json_default=RESULTS / "grpo_gsm8k.json")  # the reward curve goes beside it
     args = parser.parse_args(argv)
     if args.child:
-        kind, spec = json.loads(args.child)
-        return child_main(kind, spec)
+        return common.phase_child(args.child, {"eval": child_eval, "train": child_train})
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; make SmolLM2 with scripts/get_smollm2.sh or pass --model.")
     if (args.prompts_per_step * args.generations) % args.micro_batch:
@@ -236,14 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-grpo-gsm8k-"))
     started = common.clock()
+    log = common.stamped_log(started)
     shared = dict(threads=args.threads, seed=args.seed, max_prompt_length=args.max_prompt_length,
                   dtype="bfloat16" if args.bf16 else "float32")
 
-    def log(message: str) -> None:
-        print(f"[{common.clock() - started:6.0f}s] {message}", flush=True)
-
     def evaluate(model: Path, name: str) -> dict:
-        result = run("eval", dict(shared, data_path=str(test), model_path=str(model), new_tokens=args.eval_new_tokens),
+        result = common.run_phase(__file__, "eval", dict(shared, data_path=str(test), model_path=str(model), new_tokens=args.eval_new_tokens),
                      args.timeout)
         log(f"{name}: accuracy {result['accuracy']:.3f}, format {result['format_rate']:.3f}, mean length "
             f"{result['mean_length']:.0f}, clipped {result['clipped_ratio']:.3f} ({result['wall_s']:.0f}s)")
@@ -260,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                           micro_batch=args.micro_batch, new_tokens=args.new_tokens, learning_rate=args.learning_rate, bf16=args.bf16,
                           temperature=args.temperature, reward_funcs=reward_funcs, reward_weights=reward_weights)
         log(f"training {args.steps} steps with {list(zip(reward_funcs, reward_weights))} ...")
-        trained = run("train", train_spec, args.timeout)
+        trained = common.run_phase(__file__, "train", train_spec, args.timeout)
         rewards = [s["reward"] for s in trained["steps"]]
         log(f"trained in {trained['wall_s']:.0f}s; reward first 5 steps {sum(rewards[:5]) / 5:.3f}, "
             f"last 5 {sum(rewards[-5:]) / 5:.3f}")

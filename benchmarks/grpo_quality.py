@@ -127,13 +127,6 @@ def child_train(spec: dict) -> dict:
 # Parent side
 
 
-def run(kind: str, spec: dict, timeout: float) -> dict:
-    result = common.measure(__file__, [json.dumps([kind, spec])], common.child_env(spec["threads"], vllm=True), timeout)
-    if result is None:
-        sys.exit(f"The {kind} phase failed; its output is above.")
-    return result
-
-
 def by_operation(items: list[dict]) -> dict:
     """Held-out items, right before and right after, per operation ("+", "-")."""
     out: dict[str, dict[str, int]] = {}
@@ -176,9 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                          json_default=RESULTS / "grpo_quality.json")  # the reward curve goes beside it
     args = parser.parse_args(argv)
     if args.child:
-        kind, spec = json.loads(args.child)
-        common.torch_threads(spec["threads"])
-        return common.write_result(child_eval(spec) if kind == "eval" else child_train(spec))
+        return common.phase_child(args.child, {"eval": child_eval, "train": child_train})
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; make SmolLM2 with scripts/get_smollm2.sh or pass --model.")
     if args.eval_items < 1 or args.train_items < args.prompts_per_step:
@@ -189,15 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-grpo-quality-"))
     started = common.clock()
+    log = common.stamped_log(started)
     shared = dict(threads=args.threads, seed=args.seed, max_prompt_length=args.max_prompt_length,
                   new_tokens=args.new_tokens)
     dtype = "bfloat16" if args.bf16 else "float32"
 
-    def log(message: str) -> None:
-        print(f"[{common.clock() - started:6.0f}s] {message}", flush=True)
-
     def evaluate(model: Path, name: str) -> dict:
-        result = run("eval", dict(shared, data_path=str(test), model_path=str(model), dtype=dtype), args.timeout)
+        result = common.run_phase(__file__, "eval", dict(shared, data_path=str(test), model_path=str(model), dtype=dtype), args.timeout)
         log(f"{name}: accuracy {result['accuracy']:.3f}, just-the-number {result['format_rate']:.3f}, "
             f"mean length {result['mean_length']:.1f}, clipped {result['clipped_ratio']:.3f} ({result['wall_s']:.0f}s)")
         return result
@@ -216,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                           learning_rate=args.learning_rate, temperature=args.temperature,
                           format_weight=args.format_weight, bf16=args.bf16)
         log(f"training {args.steps} steps ...")
-        trained = run("train", train_spec, args.timeout)
+        trained = common.run_phase(__file__, "train", train_spec, args.timeout)
         zero = [s.get("frac_reward_zero_std", float("nan")) for s in trained["steps"]]
         log(f"trained in {trained['wall_s']:.0f}s; frac_reward_zero_std mean {sum(zero) / len(zero):.3f}")
         after = evaluate(work / "out", "after")
