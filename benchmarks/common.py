@@ -281,6 +281,20 @@ def run_trainers(script: str, runs: Iterable[tuple[str, dict, dict]], work: Path
     return rows
 
 
+def run_phase(script: str, kind: str, spec: dict, timeout: float) -> dict:
+    """One phase (`kind`: "eval", "train", ...) of a before/after benchmark, measured in its own process
+    with vLLM's environment (`phase_child` on the other side); exits naming the phase if it fails."""
+    result = measure(script, [json.dumps([kind, spec])], child_env(spec["threads"], vllm=True), timeout)
+    if result is None:
+        sys.exit(f"The {kind} phase failed; its output is above.")
+    return result
+
+
+def stamped_log(started: float) -> Callable[[str], None]:
+    """print(message) to stdout, after the seconds since `started`."""
+    return lambda message: print(f"[{clock() - started:6.0f}s] {message}", flush=True)
+
+
 def alternating(trainers: Sequence[str], repeats: int) -> Iterable[tuple[int, str]]:
     """(repeat, trainer), with who goes first alternating so slow drift on a shared machine hits all alike."""
     for repeat in range(repeats):
@@ -290,6 +304,13 @@ def alternating(trainers: Sequence[str], repeats: int) -> Iterable[tuple[int, st
 
 # ----------------------------------------------------------------------------------------------
 # Child side: one run, timed phase by phase
+
+
+def phase_child(child_arg: str, phases: dict[str, Callable[[dict], dict]]) -> None:
+    """Child side of `run_phase`: run the named phase with its spec's threads and hand back its result."""
+    kind, spec = json.loads(child_arg)
+    torch_threads(spec["threads"])
+    write_result(phases[kind](spec))
 
 
 def write_result(data: dict[str, Any]) -> None:
@@ -643,6 +664,34 @@ def copy_peak(megabytes: int = 512, repeats: int = 15) -> dict[str, float]:
     return {"peak": moved / min(times), "median": moved / median(times), "megabytes": megabytes}
 
 
+def decode_gemm_rate(model_dir: str, rows: Iterable[int], dtypes: Iterable[str] = ("bfloat16", "float32"),
+                     repeats: int = 7) -> dict[str, dict[str, dict[str, float]]]:
+    """What this machine's GEMMs reach on one decode token step: every `nn.Linear` weight of the
+    causal LM in `model_dir` (random values, its own tensor each, so each is read from memory as in
+    decoding) multiplied by `rows` x in_features activations, one layer after another. Per dtype
+    and row count: `seconds` of the fastest pass, `median`, and `peak` = weight bytes / fastest
+    pass (bytes/s), the decode ceiling of these kernels before attention, sampling or scheduling."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        weights = [torch.randn(n_out, n_in, dtype=dtype) for n_out, n_in in shapes]
+        nbytes = float(sum(w.numel() * w.element_size() for w in weights))
+        out[name] = {}
+        for n in rows:
+            inputs = {n_in: torch.randn(n, n_in, dtype=dtype) for _, n_in in shapes}
+            times = _best_seconds(lambda w=weights, x=inputs: [torch.nn.functional.linear(x[v.shape[1]], v) for v in w],
+                                  repeats)
+            out[name][str(n)] = {"seconds": min(times), "median": median(times), "all": times, "bytes": nbytes,
+                                 "peak": nbytes / min(times)}
+    return out
+
+
 def machine_peaks() -> dict[str, Any]:
     """The probes a floor table compares against: bf16 and fp32 matmul FLOP/s and copy bytes/s."""
     import torch
@@ -669,11 +718,17 @@ def matmul_parameters(model_dir: Path) -> dict[str, Any]:
 
 def best_peaks(*probes: dict[str, Any]) -> dict[str, Any]:
     """Per probe, the run with the highest peak (on a shared machine, the quietest moment)."""
-    out = dict(probes[0])
+    out = json.loads(json.dumps(probes[0]))
     for probe in probes[1:]:
         for key in ("matmul_bf16", "matmul_fp32", "copy"):
             if probe[key]["peak"] > out[key]["peak"]:
                 out[key] = probe[key]
+        for model, by_dtype in probe.get("decode_gemm", {}).items():
+            for dtype, by_rows in by_dtype.items():
+                for rows, rate in by_rows.items():
+                    best = out["decode_gemm"][model][dtype]
+                    if rate["peak"] > best[rows]["peak"]:
+                        best[rows] = rate
     return out
 
 

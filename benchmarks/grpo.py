@@ -45,7 +45,9 @@ tensor copy (bytes read + written). Each phase of each median run is set against
 work counted from N = the model's nn.Linear parameters (LM head included) and tokens = each
 prompt once per group + the generated tokens: update 6 N tokens FLOPs; reference 2 N tokens per
 forward-only pass (beta > 0; num_iterations > 1); generate 2 N tokens FLOPs and, as decode,
-N x weight bytes x new-token steps (bf16 vLLM: 2 bytes, else 4; KV-cache reads left out); sync
+N x weight bytes x new-token steps (bf16 vLLM: 2 bytes, else 4; KV-cache reads left out), also
+against what the probes' GEMMs reach on one token step of the model (every nn.Linear weight, its
+own tensor, times a [G x prompts, in] activation; bf16 and fp32), the ceiling of these kernels; sync
 N x (4 + weight bytes); the step all FLOPs. The JSON adds `peaks`, `probes`, `parameters`, `floor`.
 `--set FIELD=VALUE` overrides GRPOConfig fields of the alignflow runs and `--child-env NAME=VALUE`
 (NAME= unsets) the training children's environment, for A/B runs of settings.
@@ -228,8 +230,10 @@ def child_trl(spec: dict, started: float) -> dict:
 
 
 def child_probe(spec: dict, started: float) -> dict:
-    """The machine's peaks, measured in a child with the training children's threads and environment."""
-    return common.machine_peaks()
+    """The machine's peaks, measured in a child with the training children's threads and environment,
+    and what its GEMMs reach on each model's decode token step at each batch (`common.decode_gemm_rate`)."""
+    return {**common.machine_peaks(),
+            "decode_gemm": {model: common.decode_gemm_rate(path, spec["rows"]) for model, path in spec["models"].items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,9 +251,11 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return out
 
 
-def probe_peaks(work: Path, threads: int, timeout: float) -> dict:
-    """Peaks from a probe child run with the training children's environment."""
-    result = common.run_one(__file__, {"trainer": "probe", "threads": threads}, work, threads, timeout, vllm=True)
+def probe_peaks(work: Path, threads: int, timeout: float, models: dict[str, Path], rows: list[int]) -> dict:
+    """Peaks from a probe child run with the training children's environment (decode GEMMs of
+    `models` at `rows` concurrent sequences)."""
+    spec = {"trainer": "probe", "threads": threads, "models": {m: str(p) for m, p in models.items()}, "rows": rows}
+    result = common.run_one(__file__, spec, work, threads, timeout, vllm=True)
     if result is None:
         sys.exit("The peak probe failed (output above).")
     return result
@@ -262,13 +268,16 @@ def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: d
     tokens = each prompt once per group + every generated token. update 6 N tokens FLOPs; reference
     (forward-only log-prob passes: one for beta > 0, one for num_iterations > 1) 2 N tokens per pass;
     generate 2 N tokens FLOPs and, decoding, N x weight bytes per token step (all weights read
-    once a step; KV-cache reads left out); sync N_all x (4 + weight bytes) bytes (read fp32, write
-    the engine's copy). Attention's own FLOPs (~5% at these lengths) are left out."""
+    once a step; KV-cache reads left out), against the copy bandwidth and, as "decode vs GEMMs",
+    against the bytes/s this machine's GEMMs themselves reach on a token step of the model at this
+    many concurrent sequences (`peaks["decode_gemm"]`); sync N_all x (4 + weight bytes) bytes (read
+    fp32, write the engine's copy). Attention's own FLOPs (~5% at these lengths) are left out."""
     n = counts["matmul_params"]
     tokens = prompt_tokens + run["gen_tokens_per_step"]
     matmul = peaks["matmul_bf16" if spec["bf16"] else "matmul_fp32"]["peak"]
     copy = peaks["copy"]["peak"]
     engine_bytes = 2 if spec["bf16"] and run["trainer"] == "alignflow-vllm" else 4
+    gemm = peaks["decode_gemm"][run["model"]]["bfloat16" if engine_bytes == 2 else "float32"][str(spec["completions"])]
     steps = spec["new_tokens"] if spec["full_length"] else run["gen_tokens_per_step"] / spec["completions"]
     overrides = spec.get("overrides", {})
     passes = int(overrides.get("beta", 0.0) > 0) + int(overrides.get("num_iterations", 1) > 1)
@@ -279,6 +288,7 @@ def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: d
             common.floor_row("reference", run["reference_s"], 2.0 * n * tokens * passes or None, "FLOP", matmul),
             common.floor_row("generate", run["generate_s"], 2.0 * n * tokens, "FLOP", matmul),
             common.floor_row("decode", run["generate_s"], n * engine_bytes * steps, "B", copy),
+            common.floor_row("decode vs GEMMs", run["generate_s"], n * engine_bytes * steps, "B", gemm["peak"]),
             common.floor_row("sync", run["sync_s"] or None, sync, "B", copy),
             common.floor_row("step", run["s_per_step"], 6.0 * n * tokens + 2.0 * n * tokens * (1 + passes), "FLOP",
                              matmul)]
@@ -372,9 +382,10 @@ def main(argv: list[str] | None = None) -> None:
     runs, data_info, cases, counts = [], {}, [], {}
     started = common.clock()
     try:
-        probes = [probe_peaks(work, args.threads, args.timeout)]
-        for model in models:
-            path = common.model_path(model, work, args.smollm2_dir)
+        paths = {model: common.model_path(model, work, args.smollm2_dir) for model in models}
+        rows = sorted({args.prompts_per_step * g for g in groups})
+        probes = [probe_peaks(work, args.threads, args.timeout, paths, rows)]
+        for model, path in paths.items():
             data, data_info[model] = prepare_data(source, work, path, args.prompts_per_step)
             counts[model] = common.matmul_parameters(path)
             if max(data_info[model]["prompt_tokens"]) > args.max_prompt_length:
@@ -396,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['s_per_step']:.2f} s/step (steps {[round(s, 2) for s in r['step_times']]}), "
                 + ", ".join(f"{p} {r[f'{p}_s']:.2f}" for p in PHASES)
                 + f"; {r['gen_tok_per_s']:.0f} gen tok/s, {r['wall_s']:.0f} s wall"))
-        probes.append(probe_peaks(work, args.threads, args.timeout))  # before and after: the best of both counts
+        probes.append(probe_peaks(work, args.threads, args.timeout, paths, rows))  # before and after: the best of both counts
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peaks = common.best_peaks(*probes)
@@ -422,6 +433,12 @@ def main(argv: list[str] | None = None) -> None:
           f"GFLOP/s, copy {peaks['copy']['peak'] / 1e9:.1f} GB/s (read + write); matmul params "
           + ", ".join(f"{m}: {c['matmul_params'] / 1e6:.1f}M of {c['params'] / 1e6:.1f}M" for m, c in counts.items())
           + "\n")
+    for model, by_dtype in peaks["decode_gemm"].items():
+        print(f"Decode GEMMs of one {model} token step (every nn.Linear weight once): " + "; ".join(
+            f"{dtype} at {n} sequences {r['seconds'] * 1e3:.1f} ms = {r['peak'] / 1e9:.1f} GB/s "
+            f"({100 * r['peak'] / peaks['copy']['peak']:.0f}% of copy)"
+            for dtype, by_rows in by_dtype.items() for n, r in by_rows.items()))
+    print()
     print(floor)
     if args.json:
         common.write_json(args.json, "grpo", args, runs, medians, data=data_info, peaks=peaks, probes=probes,
