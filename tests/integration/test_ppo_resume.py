@@ -34,13 +34,17 @@ def env() -> dict[str, str]:
     return e
 
 
-@pytest.mark.parametrize("critic", ["value_head", "reward_model"])
-def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path, critic):
+@pytest.mark.parametrize("critic, ranks", [("value_head", 1), ("reward_model", 1), ("value_head", 2)])
+def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path, critic, ranks):
+    """With 2 ranks (DDP over gloo; batch and mini-batch are per rank, halved to keep the global ones)
+    both runs have 2 ranks: each rank's rollouts, the KL controller and the checkpoint resume together."""
     dataset = prompts_file(tmp_path / "prompts.jsonl", n=64)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     extra, value = [], "value_head.safetensors"
+    if ranks > 1:
+        extra = ["--num_processes", "2", "--batch_size", "16", "--mini_batch_size", "8", "--per_device_batch_size", "8"]
     if critic == "reward_model":
-        extra = ["--critic", critic, "--critic_model", classifier_checkpoint(tiny_model, tmp_path / "rm", scale=5)]
+        extra += ["--critic", critic, "--critic_model", classifier_checkpoint(tiny_model, tmp_path / "rm", scale=5)]
         value = "critic/model.safetensors"
     subprocess.run(ppo_command(tiny_model, dataset, straight, *extra), check=True, env=env(), capture_output=True,
                    cwd=ROOT)
