@@ -7,7 +7,9 @@ after 6 steps the weights must agree within 1e-4 (float32 reductions in another 
 ~1e-6), and must have moved far more than that. A two-rank run killed with SIGKILL after a step
 checkpoint resumes (`resume_from_checkpoint auto`) to the weights of an uninterrupted run. PPO under
 ZeRO-2 / ZeRO-3 (issue 14) is compared the same way, with its value function: the value head, and the
-critic network on ZeRO-3 (PPO on plain DDP: tests/integration/test_ppo_multiprocess.py).
+critic network on ZeRO-3 (PPO on plain DDP: tests/integration/test_ppo_multiprocess.py). The
+`zero3_offload` preset (optimizer state and step on the CPU) is compared once for SFT and once for PPO
+with a critic network.
 """
 
 import json
@@ -40,7 +42,9 @@ STEPS = 6
 COMMON = ("--max_steps", str(STEPS), "--logging_steps", "1", "--disable_progress_bar", "true", "--seed", "3",
           "--learning_rate", "1e-3", "--save_steps", "0")
 LORA = ("--lora_r", "4", "--lora_alpha", "8")
-MODES = {"ddp": (), "zero2": ("--deepspeed", "zero2"), "zero3": ("--deepspeed", "zero3")}
+MODES = {"ddp": (), "zero2": ("--deepspeed", "zero2"), "zero3": ("--deepspeed", "zero3"),
+         "zero3_offload": ("--deepspeed", "zero3_offload")}  # ZeRO-3, optimizer state and step on the CPU
+ZERO_STAGE = {"ddp": None, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 
 
 def stage_args(stage: str, data: Path) -> tuple[str, ...]:
@@ -74,9 +78,11 @@ def one_rank(tiny_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "grpo"])
+@pytest.mark.parametrize(("stage", "mode", "lora"), [
+    *[pytest.param(stage, mode, lora, id=f"{stage}-{mode}-{'lora' if lora else 'full'}")
+      for stage in ("sft", "reward", "dpo", "grpo") for mode in ("ddp", "zero2", "zero3") for lora in (False, True)],
+    # Offload moves the optimizer and its step to the CPU (DeepSpeedCPUAdam): the same for every stage, one is enough.
+    pytest.param("sft", "zero3_offload", False, id="sft-zero3_offload-full")])
 def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
     reference = one_rank(stage, lora)
     out = tmp_path / "out"
@@ -85,7 +91,7 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
               *(LORA if lora else ()))
     manifest = json.loads((out / ckpt.MANIFEST).read_text())
     assert manifest["world_size"] == 2
-    assert manifest["zero_stage"] == {"ddp": None, "zero2": 2, "zero3": 3}[mode]
+    assert manifest["zero_stage"] == ZERO_STAGE[mode]
     two, one = weights(out), weights(reference)
     assert max_difference(two, one) < 1e-4
     # The comparison means something only if training moved the weights well beyond that.
@@ -141,7 +147,7 @@ def ppo_inputs(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero2"), ("value_head", "zero3"),
-                                              ("reward_model", "zero3")])
+                                              ("reward_model", "zero3"), ("reward_model", "zero3_offload")])
 def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, ppo_inputs, tmp_path):
     """PPO on two ranks under DeepSpeed ZeRO, 8 rollouts each, ends with the policy and value function
     (value_head.safetensors, or the critic network in critic/) one process trains on the same 16."""
@@ -150,7 +156,7 @@ def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, ppo_inputs
     train_cli("ppo", *ppo_args(tiny_model, critic, data, 8), "--output_dir", str(out), "--num_processes", "2",
               *MODES[mode], env={RANK_REPORT_ENV: str(reports)})
     manifest = json.loads((out / ckpt.MANIFEST).read_text())
-    assert (manifest["world_size"], manifest["zero_stage"]) == (2, {"zero2": 2, "zero3": 3}[mode])
+    assert (manifest["world_size"], manifest["zero_stage"]) == (2, ZERO_STAGE[mode])
     ranks = [json.loads((reports / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"], "policy and value function differ between ranks"
 
