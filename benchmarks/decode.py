@@ -5,7 +5,8 @@
 GRPO's rollout decodes `--prompts` prompts x `--generations` samples (16 sequences by default:
 issue 16's G = 8 setting) for `--new-tokens` tokens, every sample forced to full length. Each
 row below runs in its own child process with the training runs' threads and environment; times
-are the median of `--repeats` timed passes after a warm-up one (the fastest is shown too):
+are the median of `--repeats` timed passes after a warm-up one (the fastest is shown too; a pass of
+the hand-written loops counts the median of its T token steps):
 
 - vllm: the trainer's in-process engine (`trainer.rollout.make_engine("vllm")`, bfloat16, the
   settings GRPO uses), `generate` with an empty stop list. Per token step = (time for T tokens -
@@ -73,13 +74,13 @@ def child_vllm(spec: dict, started: float) -> dict:
     def call(tokens: int) -> None:
         engine.generate(prompts, SamplingConfig(max_new_tokens=tokens, n=spec["generations"], stop_token_ids=[]))
 
+    def seconds(tokens: int) -> float:
+        start = common.clock()
+        call(tokens)
+        return common.clock() - start
+
     call(T)  # warm-up
-    steps = []
-    for _ in range(spec["repeats"]):
-        one = _timed(lambda: call(1), 1)[0]
-        full = _timed(lambda: call(T), 1)[0]
-        steps.append((full - one) / (T - 1))
-    return {"step_s": steps}
+    return {"step_s": [(seconds(T) - seconds(1)) / (T - 1) for _ in range(spec["repeats"])]}
 
 
 def _hf_model(spec: dict):
