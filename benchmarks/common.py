@@ -19,6 +19,7 @@ with `n`), plus benchmark-specific extras such as `data`.
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import importlib
 import importlib.util
@@ -665,12 +666,14 @@ def copy_peak(megabytes: int = 512, repeats: int = 15) -> dict[str, float]:
 
 
 def decode_gemm_rate(model_dir: str, rows: Iterable[int], dtypes: Iterable[str] = ("bfloat16", "float32"),
-                     repeats: int = 7) -> dict[str, dict[str, dict[str, float]]]:
+                     repeats: int = 7, prepacked: bool = False) -> dict[str, dict[str, dict[str, float]]]:
     """What this machine's GEMMs reach on one decode token step: every `nn.Linear` weight of the
     causal LM in `model_dir` (random values, its own tensor each, so each is read from memory as in
     decoding) multiplied by `rows` x in_features activations, one layer after another. Per dtype
-    and row count: `seconds` of the fastest pass, `median`, and `peak` = weight bytes / fastest
-    pass (bytes/s), the decode ceiling of these kernels before attention, sampling or scheduling."""
+    and row count: `seconds` of the fastest pass, `median`, `all`, and `peak` = weight bytes /
+    fastest pass (bytes/s), the decode ceiling of these kernels before attention, sampling or
+    scheduling. `prepacked`: oneDNN's prepacked weights (`mkldnn._reorder_linear_weight` and
+    `_linear_pointwise`, what inductor's weight freezing uses on CPU) instead of `F.linear`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -685,8 +688,15 @@ def decode_gemm_rate(model_dir: str, rows: Iterable[int], dtypes: Iterable[str] 
         out[name] = {}
         for n in rows:
             inputs = {n_in: torch.randn(n, n_in, dtype=dtype) for _, n_in in shapes}
-            times = _best_seconds(lambda w=weights, x=inputs: [torch.nn.functional.linear(x[v.shape[1]], v) for v in w],
-                                  repeats)
+            if prepacked:
+                packed = [(torch.ops.mkldnn._reorder_linear_weight(w, n), w.shape[1]) for w in weights]
+
+                def step(p=packed, x=inputs) -> list:
+                    return [torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "") for w, k in p]
+            else:
+                def step(w=weights, x=inputs) -> list:
+                    return [torch.nn.functional.linear(x[v.shape[1]], v) for v in w]
+            times = _best_seconds(step, repeats)
             out[name][str(n)] = {"seconds": min(times), "median": median(times), "all": times, "bytes": nbytes,
                                  "peak": nbytes / min(times)}
     return out
@@ -718,7 +728,7 @@ def matmul_parameters(model_dir: Path) -> dict[str, Any]:
 
 def best_peaks(*probes: dict[str, Any]) -> dict[str, Any]:
     """Per probe, the run with the highest peak (on a shared machine, the quietest moment)."""
-    out = json.loads(json.dumps(probes[0]))
+    out = copy.deepcopy(probes[0])
     for probe in probes[1:]:
         for key in ("matmul_bf16", "matmul_fp32", "copy"):
             if probe[key]["peak"] > out[key]["peak"]:

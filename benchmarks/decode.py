@@ -53,16 +53,6 @@ def _prompts(spec: dict) -> list[list[int]]:
     return torch.randint(100, 10_000, (spec["prompts"], spec["prompt_tokens"]), generator=generator).tolist()
 
 
-def _timed(fn, repeats: int) -> list[float]:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = common.clock()
-        fn()
-        times.append(common.clock() - start)
-    return times
-
-
 def child_vllm(spec: dict, started: float) -> dict:
     from trainer.rollout import SamplingConfig, make_engine
 
@@ -81,14 +71,6 @@ def child_vllm(spec: dict, started: float) -> dict:
 
     call(T)  # warm-up
     return {"step_s": [(seconds(T) - seconds(1)) / (T - 1) for _ in range(spec["repeats"])]}
-
-
-def _hf_model(spec: dict):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.bfloat16,
-                                                attn_implementation="sdpa").eval()
 
 
 def _decode_loop(forward, make_cache, ids, new_tokens: int) -> list[float]:
@@ -110,9 +92,10 @@ def _decode_loop(forward, make_cache, ids, new_tokens: int) -> list[float]:
 
 def child_hf(spec: dict, started: float) -> dict:
     import torch
-    from transformers import DynamicCache, StaticCache
+    from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-    model = _hf_model(spec)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").eval()
     rows = [p for p in _prompts(spec) for _ in range(spec["generations"])]
     ids, T = torch.tensor(rows), spec["new_tokens"]
     if spec["trainer"] == "hf-compiled":
@@ -138,20 +121,10 @@ def child_hf(spec: dict, started: float) -> dict:
 
 
 def child_gemm(spec: dict, started: float) -> dict:
-    import torch
-
     sequences = spec["prompts"] * spec["generations"]
-    if spec["trainer"] == "gemm":
-        rate = common.decode_gemm_rate(spec["model_path"], [sequences], ("bfloat16",), repeats=spec["repeats"])
-        return {"step_s": rate["bfloat16"][str(sequences)]["all"]}
-    model = _hf_model(spec)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packed = [(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), sequences), m.in_features) for m in linears]
-    inputs = {m.in_features: torch.randn(sequences, m.in_features, dtype=torch.bfloat16) for m in linears}
-    with torch.no_grad():
-        steps = _timed(lambda: [torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
-                                for w, k in packed], spec["repeats"])
-    return {"step_s": steps}
+    rate = common.decode_gemm_rate(spec["model_path"], [sequences], ("bfloat16",), repeats=spec["repeats"],
+                                   prepacked=spec["trainer"] == "gemm-prepacked")
+    return {"step_s": rate["bfloat16"][str(sequences)]["all"]}
 
 
 def child_copy(spec: dict, started: float) -> dict:

@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                   dtype="bfloat16" if args.bf16 else "float32")
 
     def evaluate(model: Path, name: str) -> dict:
-        result = common.run_phase(__file__, "eval", dict(shared, data_path=str(test), model_path=str(model), new_tokens=args.eval_new_tokens),
-                     args.timeout)
+        spec = dict(shared, data_path=str(test), model_path=str(model), new_tokens=args.eval_new_tokens)
+        result = common.run_phase(__file__, "eval", spec, args.timeout)
         log(f"{name}: accuracy {result['accuracy']:.3f}, format {result['format_rate']:.3f}, mean length "
             f"{result['mean_length']:.0f}, clipped {result['clipped_ratio']:.3f} ({result['wall_s']:.0f}s)")
         return result

@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = "bfloat16" if args.bf16 else "float32"
 
     def evaluate(model: Path, name: str) -> dict:
-        result = common.run_phase(__file__, "eval", dict(shared, data_path=str(test), model_path=str(model), dtype=dtype), args.timeout)
+        spec = dict(shared, data_path=str(test), model_path=str(model), dtype=dtype)
+        result = common.run_phase(__file__, "eval", spec, args.timeout)
         log(f"{name}: accuracy {result['accuracy']:.3f}, just-the-number {result['format_rate']:.3f}, "
             f"mean length {result['mean_length']:.1f}, clipped {result['clipped_ratio']:.3f} ({result['wall_s']:.0f}s)")
         return result
