@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Set up .venv and run the whole test suite (unit + integration; GPU tests skip without a GPU).
+# Set up .venv and run the whole test suite (unit + integration; GPU tests skip without a GPU) under
+# coverage. Writes to $TEST_OUTPUT (default test-output/): durations.tsv (seconds, outcome, test id, one
+# line per test as it ends), junit.xml, coverage.txt (line and branch coverage of trainer/, components/,
+# pipelines/, sub-processes included) and coverage.json; prints the slowest tests and the coverage total.
 #   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh -m "not integration and not training"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +13,36 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # DeepSpeed compiles its CPU communication op once (~1 min); keep it with the venv for later runs.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q -ra --durations=25 "$@"
+
+out=$(mkdir -p "${TEST_OUTPUT:-test-output}" && cd "${TEST_OUTPUT:-test-output}" && pwd)
+rm -f "$out"/durations.tsv "$out"/.coverage*
+export ALIGNFLOW_TEST_DURATIONS=$out/durations.tsv COVERAGE_FILE=$out/.coverage
+started=$(date +%s)
+status=0
+.venv/bin/python -m coverage run -m pytest -q -ra --junitxml="$out/junit.xml" "$@" || status=$?
+echo "pytest wall: $(( $(date +%s) - started )) s"
+
+if [ -s "$out/durations.tsv" ]; then
+    echo "--- slowest tests (all in $out/durations.tsv) ---"
+    sort -rn "$out/durations.tsv" | head -25
+    echo "--- seconds by test file ---"
+    awk -F'\t' '{split($3, id, "::"); t[id[1]] += $1} END {for (f in t) printf "%8.1f  %s\n", t[f], f}' \
+        "$out/durations.tsv" | sort -rn
+fi
+.venv/bin/python -m coverage combine -q
+.venv/bin/python -m coverage report > "$out/coverage.txt" || true
+.venv/bin/python -m coverage json -q -o "$out/coverage.json" || true
+echo "--- coverage (line and branch; the whole table in $out/coverage.txt) ---"
+grep "^TOTAL" "$out/coverage.txt" || true
+.venv/bin/python - "$out/coverage.json" <<'PY' || true
+import json, sys
+from collections import Counter
+
+lines, covered = Counter(), Counter()
+for path, data in json.load(open(sys.argv[1]))["files"].items():
+    for package in (path.split("/")[0], "all"):
+        lines[package] += data["summary"]["num_statements"]
+        covered[package] += data["summary"]["covered_lines"]
+print("line coverage:", ", ".join(f"{p} {100 * covered[p] / lines[p]:.1f}% of {lines[p]}" for p in sorted(lines)))
+PY
+exit "$status"

@@ -32,6 +32,24 @@ def tiny_model(tmp_path_factory) -> str:
     return str(init_tiny(tmp_path_factory.mktemp("tiny-model")))
 
 
+_DURATIONS = os.environ.get("ALIGNFLOW_TEST_DURATIONS")  # scripts/test.sh: one line per test, as it ends
+_timings: dict[str, tuple[float, str]] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up a test's setup, call and teardown; its outcome is the first phase that did not pass."""
+    seconds, outcome = _timings.get(report.nodeid, (0.0, "passed"))
+    _timings[report.nodeid] = (seconds + report.duration, outcome if outcome != "passed" else report.outcome)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """Append `seconds<TAB>outcome<TAB>test id` to $ALIGNFLOW_TEST_DURATIONS as each test ends."""
+    seconds, outcome = _timings.pop(nodeid, (0.0, "passed"))
+    if _DURATIONS:
+        with open(_DURATIONS, "a") as fh:
+            fh.write(f"{seconds:.2f}\t{outcome}\t{nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` are skipped, with the reason, where torch sees no CUDA device."""
     import torch
