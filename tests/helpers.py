@@ -357,3 +357,33 @@ class HubStandIn:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- the lean install: the CLI with every optional package hidden --------------------------------
+
+# The modules the extras install (and the clients they bring along); none may be needed to train.
+HIDDEN = ("mlflow", "kfp", "kfp_server_api", "kubernetes", "boto3", "botocore", "s3fs", "aiobotocore", "vllm",
+          "deepspeed", "gguf")
+PRELUDE = f"""
+import runpy, sys
+from importlib.machinery import PathFinder
+
+class HideExtras(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in {HIDDEN!r}:
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+sys.meta_path[:] = [HideExtras if f is PathFinder else f for f in sys.meta_path]
+"""
+CLI = PRELUDE + "sys.argv[0] = 'alignflow'\nrunpy.run_module('pipelines.cli', run_name='__main__')\n"
+
+
+def lean(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -c code args` from the repository root with the optional packages hidden."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    full_env.pop("MLFLOW_TRACKING_URI", None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import cli
-from tests.helpers import CHAT_DATA, HubStandIn, tiny_sft, train_cli
+from tests.helpers import CHAT_DATA, HubStandIn, needs_vllm, tiny_sft, train_cli
 from trainer import checkpoint as ckpt
 from trainer import hub, storage
 
@@ -71,32 +71,27 @@ def test_chat_and_push_from_s3(tiny_model, s3_env, tmp_path, stand_in, capsys, m
     assert pushed["model.safetensors"] == Path(local, "model.safetensors").read_bytes()
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model, tmp_path_factory) -> str:
-    return tiny_sft(tiny_model, tmp_path_factory.mktemp("chat") / "sft")
-
-
-def test_chat_from_the_registry_champion(trained, tmp_path, capsys):
+def test_chat_from_the_registry_champion(sft_checkpoint, tmp_path, capsys):
     """`models:/NAME@champion` in an embedded (sqlite) MLflow registry answers as the checkpoint promoted there."""
     from trainer.registry import promote
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    promote("chat-policy", trained, {"reward": 1.0}, tracking_uri=uri)
+    promote("chat-policy", sft_checkpoint, {"reward": 1.0}, tracking_uri=uri)
     replies = []
-    for model in ("models:/chat-policy@champion", trained):
+    for model in ("models:/chat-policy@champion", sft_checkpoint):
         assert cli.main(["chat", model, "--tracking_uri", uri, "--prompt", QUESTION, "--temperature", "0",
                          "--max_new_tokens", "12"]) == 0
         replies.append(capsys.readouterr().out)
     assert replies[0].strip() and replies[0] == replies[1]
 
 
-def test_vllm_engine_chats_like_hf(trained, capsys):
+@needs_vllm
+def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys):
     """`--engine vllm` (in-process vLLM, in a child process here) gives the greedy reply of the `hf` engine."""
     import subprocess
     import sys
 
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'alignflow[cpu]')")
-    args = [trained, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "16", "--max_model_len", "256"]
+    args = [sft_checkpoint, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "16", "--max_model_len", "256"]
     assert cli.main(["chat", *args]) == 0
     hf_reply = capsys.readouterr().out
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}

@@ -7,6 +7,8 @@ being written or rotated (a random 0-1.5 s after the newest checkpoint, or one o
 is complete). Each episode is one output folder killed until a restart finishes; the suite runs
 episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (4 in CI; docs/reliability.md
 quotes a run with 20). `ALIGNFLOW_FAULT_REPORT=FILE` appends each stage's figures as a JSON line.
+The uninterrupted run is a session reference (tests/references.py); the last test kills the SFT run at a
+chosen moment, inside a logging window, and resumes it to that same reference.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import DEMO_DATA, ROOT, max_difference, prompts_file, weights
+from tests.helpers import DEMO_DATA, ROOT, kill_after_checkpoint, max_difference, weights
 from trainer import checkpoint as ckpt
 
 KILLS = int(os.environ.get("ALIGNFLOW_FAULT_KILLS", "4"))
@@ -33,22 +36,26 @@ TOY_RL = ("--reward_funcs", "tests.helpers:target_frequency", "--max_completion_
           "--max_prompt_length", "32", "--log_completions_steps", "0")
 
 
-def stage_args(stage: str, data: Path) -> tuple[str, ...]:
+def stage_args(stage: str, toy_prompts) -> tuple[str, ...]:
     if stage == "sft":
         return ("--dataset", str(DEMO_DATA / "sft.jsonl"), "--num_sample_completions", "0",
                 "--per_device_batch_size", "4", "--max_length", "128")
     if stage in ("reward", "dpo"):
         return "--dataset", str(DEMO_DATA / "preferences.jsonl"), "--per_device_batch_size", "4", "--max_length", "128"
-    prompts = prompts_file(data / "prompts.jsonl", n=16)
+    prompts = toy_prompts(16)
     if stage == "grpo":
         return "--dataset", prompts, *TOY_RL, "--num_generations", "4", "--per_device_batch_size", "8"
     return ("--dataset", prompts, *TOY_RL, "--batch_size", "8", "--mini_batch_size", "4",
             "--per_device_batch_size", "4", "--ppo_epochs", "1")
 
 
-def command(stage: str, model: str, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.cli", "train", stage, "--model", model, "--output_dir", str(out),
-            "--resume_from_checkpoint", "auto", *stage_args(stage, data), *COMMON]
+def run_args(stage: str, model: str, toy_prompts) -> tuple[str, ...]:
+    """Every run of an episode, and the uninterrupted one, takes these arguments (and its own output_dir)."""
+    return "--model", model, "--resume_from_checkpoint", "auto", *stage_args(stage, toy_prompts), *COMMON
+
+
+def command(stage: str, args: tuple[str, ...], out: Path) -> list[str]:
+    return [sys.executable, "-m", "trainer.cli", "train", stage, *args, "--output_dir", str(out)]
 
 
 def env() -> dict[str, str]:
@@ -91,11 +98,9 @@ def comparable(record: dict) -> dict:
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "grpo", "ppo"])
-def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, tmp_path):
-    straight = tmp_path / "straight"
-    started = time.monotonic()
-    run_killed(command(stage, tiny_model, tmp_path, straight), straight, None)
-    duration = time.monotonic() - started
+def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, toy_prompts, reference_run, tmp_path):
+    args = run_args(stage, tiny_model, toy_prompts)
+    straight = reference_run(stage, *args)
     reference, reference_history = weights(straight), [comparable(r) for r in ckpt.read_history(str(straight))]
 
     rng = random.Random(f"faults-{stage}")
@@ -104,7 +109,7 @@ def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, tmp_
         out = tmp_path / f"episode-{episodes}"
         episodes += 1
         # Killed again and again until a restart finishes (once the kills are done, it runs to the end).
-        while run_killed(command(stage, tiny_model, tmp_path, out), out, rng if kills < KILLS else None):
+        while run_killed(command(stage, args, out), out, rng if kills < KILLS else None):
             kills += 1
         assert ckpt.is_complete(str(out))
         worst = max(worst, max_difference(reference, weights(out)))
@@ -113,9 +118,38 @@ def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, tmp_
         for got, want in zip(resumed_history, reference_history, strict=True):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-7), f"step {want['step']} metrics differ"
     figures = {"stage": stage, "kills": kills, "episodes": episodes, "max_weight_difference": worst,
-               "uninterrupted_run_s": round(duration, 1)}
+               "uninterrupted_run_s": round(reference_run.seconds[straight], 1)}
     print(json.dumps(figures))
     if report := os.environ.get("ALIGNFLOW_FAULT_REPORT"):
         with open(report, "a") as f:
             f.write(json.dumps(figures) + "\n")
     assert worst <= 1e-6, figures
+
+
+def test_sigkill_inside_a_logging_window_then_auto_resume_matches_straight_run(tiny_model, toy_prompts, reference_run,
+                                                                              tmp_path):
+    """The fault suite's SFT run killed at a chosen moment, as soon as checkpoint-5 is complete: the resumed run
+    ends with the straight run's weights, and logs its metrics, the window of steps 4-6 that straddles the kill
+    included (a step checkpoint keeps the unlogged part of the window; docs/reliability.md)."""
+    args = run_args("sft", tiny_model, toy_prompts)
+    straight, killed = reference_run("sft", *args), tmp_path / "killed"
+    kill_after_checkpoint(command("sft", args, killed), killed / "checkpoint-5", 600, env())
+    done = [s for s, _ in ckpt.list_checkpoints(str(killed))]
+    assert 5 in done and max(done) < STEPS, f"killed too late: complete checkpoints {done}"
+    assert not ckpt.is_complete(str(killed)), "the final model must not look complete after a kill"
+
+    run_killed(command("sft", args, killed), killed, None)
+    assert ckpt.is_complete(str(killed))
+    a, b, start = weights(straight), weights(killed), weights(tiny_model)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert not torch.equal(a[name], start[name])
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    resumed, reference = ckpt.read_history(str(killed)), ckpt.read_history(str(straight))
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference] == [3, 6, STEPS]
+    for got, want in zip(resumed, reference, strict=True):
+        shared = {k for k in want if not k.endswith(("_runtime", "per_second", "_seconds")) and k.startswith(
+            ("loss", "learning_rate", "num_tokens", "epoch", "grad_norm", "mean_token_accuracy", "entropy"))}
+        assert shared >= {"loss", "learning_rate", "num_tokens", "grad_norm"}, sorted(want)
+        for key in shared:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)

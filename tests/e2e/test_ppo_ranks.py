@@ -2,7 +2,8 @@
 its own disjoint prompts, both ranks end with the same policy and value function (value head, or critic
 network started from a reward model), rank 0 alone writes, and two ranks of 8 rollouts train what one
 process trains on the same 16 (advantages are whitened over all ranks' tokens; with one mini-batch per
-epoch the micro-batches are the same rows)."""
+epoch the micro-batches are the same rows). The one-process runs are the session references that
+tests/e2e/test_ranks.py compares PPO under ZeRO with (same arguments: tests.references.ppo_args)."""
 
 import json
 from pathlib import Path
@@ -11,30 +12,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import classifier_checkpoint, prompts_file, train_cli
+from tests.helpers import train_cli
+from tests.references import ppo_args
 from trainer import checkpoint as ckpt
 from trainer.distributed import RANK_REPORT_ENV
 
 
-def ppo_args(model: str, dataset: str, out, per_rank: int) -> list[str]:
-    return ["--model", model, "--dataset", dataset, "--output_dir", str(out), "--reward_funcs",
-            "tests.helpers:target_frequency", "--batch_size", str(per_rank), "--mini_batch_size", str(per_rank),
-            "--per_device_batch_size", "8", "--ppo_epochs", "2", "--max_completion_length", "8",
-            "--max_prompt_length", "32", "--max_steps", "4", "--save_steps", "2", "--learning_rate", "1e-2",
-            "--init_kl_coef", "0.05", "--disable_progress_bar", "true"]
-
-
 @pytest.mark.parametrize("critic", ["value_head", "reward_model"])
-def test_two_ranks_train_ppo_like_one_process(tiny_model, tmp_path, critic):
-    dataset = prompts_file(tmp_path / "prompts.jsonl", n=32)
-    two, one, reports = tmp_path / "two", tmp_path / "one", tmp_path / "ranks"
-    extra, value = [], "value_head.safetensors"
-    if critic == "reward_model":
-        extra = ["--critic", critic, "--critic_model", classifier_checkpoint(tiny_model, tmp_path / "rm", scale=5)]
-        value = "critic/model.safetensors"
-    train_cli("ppo", "--num_processes", "2", *ppo_args(tiny_model, dataset, two, 8), *extra,
+def test_two_ranks_train_ppo_like_one_process(tiny_model, toy_prompts, reward_checkpoint, reference_run, tmp_path,
+                                              critic):
+    two, reports = tmp_path / "two", tmp_path / "ranks"
+    value = "value_head.safetensors" if critic == "value_head" else "critic/model.safetensors"
+    train_cli("ppo", "--num_processes", "2", *ppo_args(tiny_model, critic, toy_prompts(32), reward_checkpoint, 8),
+              "--save_steps", "2", "--output_dir", str(two),
               env={RANK_REPORT_ENV: str(reports), "HF_HOME": str(tmp_path / "hf")})
-    train_cli("ppo", *ppo_args(tiny_model, dataset, one, 16), *extra)
+    one = reference_run("ppo", *ppo_args(tiny_model, critic, toy_prompts(32), reward_checkpoint, 16))
 
     ranks = [json.loads((reports / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]

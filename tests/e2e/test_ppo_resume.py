@@ -1,8 +1,8 @@
 """A PPO run killed with SIGKILL resumes from its last complete checkpoint (policy, value head or critic
-network, optimizer, KL coefficient) and ends where an uninterrupted run ends."""
+network, optimizer, KL coefficient) and ends where an uninterrupted run (a session reference,
+tests/references.py) ends."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,19 +10,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, classifier_checkpoint, kill_after_checkpoint, prompts_file
+from tests.helpers import ROOT, kill_after_checkpoint, train_cli
 from trainer import checkpoint as ckpt
 
-STEPS = 40  # optimizer steps: 20 PPO steps of 2 mini-batches
+# Optimizer steps: 6 PPO steps of 2 mini-batches. The adaptive KL coefficient moves at every PPO step;
+# the kill after checkpoint-4 leaves 4 PPO steps (rollouts included) to run after it.
+STEPS, KILL_AFTER = 12, 4
 
 
-def ppo_command(model: str, dataset: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.cli", "train", "ppo", "--model", model, "--dataset", dataset,
-            "--output_dir", str(out), "--reward_funcs", "tests.helpers:target_frequency", "--batch_size", "32",
-            "--mini_batch_size", "16", "--per_device_batch_size", "16", "--ppo_epochs", "1",
+def ppo_args(model: str, dataset: str, *extra: str) -> tuple[str, ...]:
+    return ("--model", model, "--dataset", dataset, "--reward_funcs", "tests.helpers:target_frequency",
+            "--batch_size", "32", "--mini_batch_size", "16", "--per_device_batch_size", "16", "--ppo_epochs", "1",
             "--max_completion_length", "16", "--max_prompt_length", "32", "--max_steps", str(STEPS),
             "--learning_rate", "1e-2", "--adap_kl_ctrl", "true", "--target_kl", "0.5", "--horizon", "64",
-            "--save_total_limit", "0", "--disable_progress_bar", "true", *extra]
+            "--save_total_limit", "0", "--disable_progress_bar", "true", *extra)
 
 
 def env() -> dict[str, str]:
@@ -33,29 +34,27 @@ def env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("critic, ranks", [("value_head", 1), ("reward_model", 1), ("value_head", 2)])
-def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, tmp_path, critic, ranks):
+def test_sigkill_then_auto_resume_matches_straight_run(tiny_model, toy_prompts, reward_checkpoint, reference_run,
+                                                       tmp_path, critic, ranks):
     """With 2 ranks (DDP over gloo; batch and mini-batch are per rank, halved to keep the global ones)
     both runs have 2 ranks: each rank's rollouts, the KL controller and the checkpoint resume together."""
-    dataset = prompts_file(tmp_path / "prompts.jsonl", n=64)
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
     extra, value = [], "value_head.safetensors"
     if ranks > 1:
         extra = ["--num_processes", "2", "--batch_size", "16", "--mini_batch_size", "8", "--per_device_batch_size", "8"]
     if critic == "reward_model":
-        extra += ["--critic", critic, "--critic_model", classifier_checkpoint(tiny_model, tmp_path / "rm", scale=5)]
+        extra += ["--critic", critic, "--critic_model", reward_checkpoint]
         value = "critic/model.safetensors"
-    subprocess.run(ppo_command(tiny_model, dataset, straight, *extra), check=True, env=env(), capture_output=True,
-                   cwd=ROOT)
+    args = ppo_args(tiny_model, toy_prompts(64), *extra)
+    straight, killed = reference_run("ppo", *args), tmp_path / "killed"
 
-    # Save every PPO step; kill the process as soon as step 10 is complete, while it trains on.
-    kill_after_checkpoint(ppo_command(tiny_model, dataset, killed, "--save_steps", "2", *extra),
-                          killed / "checkpoint-10", 300, env())
+    # Save every PPO step; kill the process as soon as checkpoint-4 is complete, while it trains on.
+    kill_after_checkpoint([sys.executable, "-m", "trainer.cli", "train", "ppo", *args, "--save_steps", "2",
+                           "--output_dir", str(killed)], killed / f"checkpoint-{KILL_AFTER}", 300, env())
     done = [s for s, _ in ckpt.list_checkpoints(str(killed))]
-    assert 10 in done and max(done) < STEPS, f"killed too late: complete checkpoints {done}"
+    assert KILL_AFTER in done and max(done) < STEPS, f"killed too late: complete checkpoints {done}"
     assert not ckpt.is_complete(str(killed)), "the final model must not look complete after a kill"
 
-    subprocess.run(ppo_command(tiny_model, dataset, killed, "--save_steps", "2", "--resume_from_checkpoint", "auto",
-                               *extra), check=True, env=env(), capture_output=True, cwd=ROOT)
+    train_cli("ppo", *args, "--save_steps", "2", "--resume_from_checkpoint", "auto", "--output_dir", str(killed))
     assert ckpt.is_complete(str(killed))
     start = load_file(Path(tiny_model) / "model.safetensors")
     for name in ("model.safetensors", value):

@@ -1,22 +1,27 @@
-"""Every stage on two CPU ranks (gloo) gives the weights one rank gives at the same global batch.
+"""Two CPU ranks (gloo) give the weights one rank gives at the same global batch.
 
 Issue 17's proof of the multi-GPU path without a GPU: `alignflow train STAGE --num_processes 2`
 starts real ranks through `accelerate launch`, with plain DDP or DeepSpeed ZeRO-2 / ZeRO-3, for
 full fine-tuning and for LoRA. One rank trains with per_device_batch_size B, two with B/2 each;
 after 6 steps the weights must agree within 1e-4 (float32 reductions in another order differ at
-~1e-6), and must have moved far more than that. A two-rank run killed with SIGKILL after a step
-checkpoint resumes (`resume_from_checkpoint auto`) to the weights of an uninterrupted run. PPO under
-ZeRO-2 / ZeRO-3 (issue 14) is compared the same way, with its value function: the value head, and the
-critic network on ZeRO-3 (PPO on plain DDP: tests/integration/test_ppo_multiprocess.py). The
-`zero3_offload` preset (optimizer state and step on the CPU) is compared once for SFT and once for PPO
-with a critic network.
+~1e-6), and must have moved far more than that.
+
+Placement, sharding and the global-batch contract belong to the runner (trainer/runner.py,
+trainer/distributed.py), not to a stage, so every parallel mode, full and LoRA, is compared on one
+stage (SFT), and each other stage runs the one mode that reaches its own code (see CASES). A two-rank
+run killed with SIGKILL after a step checkpoint resumes (`resume_from_checkpoint auto`) to the weights
+of the uninterrupted two-rank SFT run of the comparison. PPO under ZeRO (issue 14) is compared the
+same way, with its value function: the value head, and the critic network (PPO on plain DDP, both
+critics: tests/e2e/test_ppo_ranks.py, against the same one-process runs). The `zero3_offload` preset
+(optimizer state and step on the CPU) is compared once, for SFT.
+
+Every uninterrupted run is a session reference (tests/references.py), trained once.
 """
 
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,14 +30,13 @@ from safetensors.torch import load_file
 from tests.helpers import (
     DEMO_DATA,
     ROOT,
-    classifier_checkpoint,
     history,
     kill_after_checkpoint,
     max_difference,
-    prompts_file,
     train_cli,
     weights,
 )
+from tests.references import ppo_args
 from trainer import checkpoint as ckpt
 from trainer.distributed import RANK_REPORT_ENV
 
@@ -45,13 +49,13 @@ MODES = {"ddp": (), "zero2": ("--deepspeed", "zero2"), "zero3": ("--deepspeed", 
 ZERO_STAGE = {"ddp": None, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 
 
-def stage_args(stage: str, data: Path) -> tuple[str, ...]:
+def stage_args(stage: str, toy_prompts) -> tuple[str, ...]:
     """Arguments of a short run of `stage` whose global batch is 4 examples (8 completions for GRPO)."""
     if stage == "sft":
         return "--dataset", str(DEMO_DATA / "sft.jsonl"), "--num_sample_completions", "0", "--eval_split_ratio", "0.05"
     if stage in ("reward", "dpo"):
         return "--dataset", str(DEMO_DATA / "preferences.jsonl"), "--eval_split_ratio", "0.05"
-    return ("--dataset", prompts_file(data / "prompts.jsonl", n=16), "--reward_funcs", "tests.helpers:target_frequency",
+    return ("--dataset", toy_prompts(16), "--reward_funcs", "tests.helpers:target_frequency",
             "--num_generations", "4", "--max_completion_length", "8", "--max_prompt_length", "32",
             "--learning_rate", "1e-2", "--log_completions_steps", "0")
 
@@ -59,34 +63,38 @@ def stage_args(stage: str, data: Path) -> tuple[str, ...]:
 BATCH = {"sft": 4, "reward": 4, "dpo": 4, "grpo": 8}
 
 
-@pytest.fixture(scope="module")
-def one_rank(tiny_model, tmp_path_factory):
-    """Single-process runs, made once per (stage, lora) and shared by the modes compared with them."""
-    made: dict[tuple[str, bool], Path] = {}
-
-    def get(stage: str, lora: bool) -> Path:
-        if (stage, lora) not in made:
-            root = tmp_path_factory.mktemp(f"{stage}-1rank")
-            out = root / "out"
-            train_cli(stage, "--model", tiny_model, "--output_dir", str(out), *COMMON, *stage_args(stage, root),
-                      "--per_device_batch_size", str(BATCH[stage]), *(LORA if lora else ()))
-            made[stage, lora] = out
-        return made[stage, lora]
-
-    return get
+def run_args(stage: str, model: str, toy_prompts, lora: bool, mode: str | None = None) -> tuple[str, ...]:
+    """One rank with the whole global batch (`mode` None), or two ranks in `mode` with half of it each."""
+    ranks = ("--per_device_batch_size", str(BATCH[stage])) if mode is None else (
+        "--per_device_batch_size", str(BATCH[stage] // 2), "--num_processes", "2", *MODES[mode])
+    return ("--model", model, *COMMON, *stage_args(stage, toy_prompts), *ranks, *(LORA if lora else ()))
 
 
-@pytest.mark.parametrize(("stage", "mode", "lora"), [
-    *[pytest.param(stage, mode, lora, id=f"{stage}-{mode}-{'lora' if lora else 'full'}")
-      for stage in ("sft", "reward", "dpo", "grpo") for mode in ("ddp", "zero2", "zero3") for lora in (False, True)],
+CASES = [
+    # SFT carries the runner's contract: every parallel mode, full fine-tuning and LoRA.
+    *[pytest.param("sft", mode, lora, id=f"sft-{mode}-{'lora' if lora else 'full'}")
+      for mode in ("ddp", "zero2", "zero3") for lora in (False, True)],
     # Offload moves the optimizer and its step to the CPU (DeepSpeedCPUAdam): the same for every stage, one is enough.
-    pytest.param("sft", "zero3_offload", False, id="sft-zero3_offload-full")])
-def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
-    reference = one_rank(stage, lora)
-    out = tmp_path / "out"
-    train_cli(stage, "--model", tiny_model, "--output_dir", str(out), *COMMON, *stage_args(stage, tmp_path),
-              "--per_device_batch_size", str(BATCH[stage] // 2), "--num_processes", "2", *MODES[mode],
-              *(LORA if lora else ()))
+    pytest.param("sft", "zero3_offload", False, id="sft-zero3_offload-full"),
+    # The reward model adds a freshly initialised score head: ZeRO-2 reduce-scatters its gradients and
+    # partitions its optimizer state with the backbone's (then all-gathers the updated weights), where DDP
+    # only all-reduces it; a head registered or initialised differently on a rank shows up here.
+    pytest.param("reward", "zero2", False, id="reward-zero2-full"),
+    # DPO's reference model under ZeRO-3 (sharded, gathered per forward). Its precomputed reference:
+    # test_precomputed_reference_log_probs_are_computed_in_shares.
+    pytest.param("dpo", "zero3", False, id="dpo-zero3-full"),
+    # GRPO's own part is the rollout: each rank generates and scores its slice of the prompts, and the
+    # rewards are gathered for the group advantages; none of it depends on how the weights are placed.
+    # (Generation in step on ZeRO-3, `synced_gpus` in grpo.start_engine, is PPO's too: compared in
+    # test_ppo_two_ranks_under_zero_match_one.)
+    pytest.param("grpo", "ddp", False, id="grpo-ddp-full"),
+]
+
+
+@pytest.mark.parametrize(("stage", "mode", "lora"), CASES)
+def test_two_ranks_match_one(stage, mode, lora, tiny_model, toy_prompts, reference_run):
+    reference = reference_run(stage, *run_args(stage, tiny_model, toy_prompts, lora))
+    out = reference_run(stage, *run_args(stage, tiny_model, toy_prompts, lora, mode))  # (the kill tests' reference too)
     manifest = json.loads((out / ckpt.MANIFEST).read_text())
     assert manifest["world_size"] == 2
     assert manifest["zero_stage"] == ZERO_STAGE[mode]
@@ -110,49 +118,20 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, one_rank, tmp_path):
         assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-4)
 
 
-def ppo_args(model: str, critic: str, data: Path, per_rank: int) -> tuple[str, ...]:
-    """Two PPO steps (2 optimizer steps each) on `per_rank` rollouts per rank in one mini-batch, in
-    micro-batches of 4 (gradient accumulation), so that N ranks compute what one process computes on
-    the same global batch: the same micro-batches, averaged the same way. The learning rate is the
-    other stages' 1e-3: ZeRO-3's float32 noise, which Adam amplifies in the weights whose gradient is
-    near zero, grows with it (up to 1.6e-4 here at 1e-2, 4.9e-5 at 3e-3; ZeRO-2 1.5e-5 and DDP
-    3.9e-6 at 1e-2)."""
-    extra = ("--critic", critic, "--critic_model", str(data / "rm")) if critic == "reward_model" else ()
-    return ("--model", model, "--dataset", str(data / "prompts.jsonl"), "--reward_funcs",
-            "tests.helpers:target_frequency", "--batch_size", str(per_rank), "--mini_batch_size", str(per_rank),
-            "--per_device_batch_size", "4", "--ppo_epochs", "2", "--max_completion_length", "8",
-            "--max_prompt_length", "32", "--max_steps", "4", "--save_steps", "0", "--logging_steps", "1",
-            "--learning_rate", "1e-3", "--init_kl_coef", "0.05", "--seed", "3", "--disable_progress_bar", "true",
-            *extra)
-
-
-@pytest.fixture(scope="module")
-def ppo_inputs(tiny_model, tmp_path_factory):
-    """Prompts and a reward-model checkpoint (the critic's start), and the one-process PPO run of each
-    critic on 16 rollouts per step, made once and shared by the modes compared with it."""
-    data = tmp_path_factory.mktemp("ppo-inputs")
-    prompts_file(data / "prompts.jsonl", n=32)
-    classifier_checkpoint(tiny_model, data / "rm", scale=5)
-    made: dict[str, Path] = {}
-
-    def one_rank(critic: str) -> Path:
-        if critic not in made:
-            made[critic] = data / f"one-{critic}"
-            train_cli("ppo", *ppo_args(tiny_model, critic, data, 16), "--output_dir", str(made[critic]))
-        return made[critic]
-
-    return data, one_rank
-
-
-@pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero2"), ("value_head", "zero3"),
-                                              ("reward_model", "zero3"), ("reward_model", "zero3_offload")])
-def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, ppo_inputs, tmp_path):
+@pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero3"), ("reward_model", "zero3")])
+def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, toy_prompts, reward_checkpoint, reference_run,
+                                            tmp_path):
     """PPO on two ranks under DeepSpeed ZeRO, 8 rollouts each, ends with the policy and value function
-    (value_head.safetensors, or the critic network in critic/) one process trains on the same 16."""
-    data, one_rank = ppo_inputs
-    reference, out, reports = one_rank(critic), tmp_path / "out", tmp_path / "ranks"
-    train_cli("ppo", *ppo_args(tiny_model, critic, data, 8), "--output_dir", str(out), "--num_processes", "2",
-              *MODES[mode], env={RANK_REPORT_ENV: str(reports)})
+    (value_head.safetensors, or the critic network in critic/) one process trains on the same 16.
+
+    ZeRO-3 is the mode that reaches PPO's own code: the value head or critic network is partitioned with
+    the policy, gathered for the rollout's values and saved next to the model. ZeRO-2 only shards the
+    optimizer state (the runner's, compared for SFT), and `zero3_offload` only moves the one optimizer
+    that policy and critic share to the CPU (the preset is compared for SFT)."""
+    reference = reference_run("ppo", *ppo_args(tiny_model, critic, toy_prompts(32), reward_checkpoint, 16))
+    out, reports = tmp_path / "out", tmp_path / "ranks"
+    train_cli("ppo", *ppo_args(tiny_model, critic, toy_prompts(32), reward_checkpoint, 8), "--output_dir", str(out),
+              "--num_processes", "2", *MODES[mode], env={RANK_REPORT_ENV: str(reports)})
     manifest = json.loads((out / ckpt.MANIFEST).read_text())
     assert (manifest["world_size"], manifest["zero_stage"]) == (2, ZERO_STAGE[mode])
     ranks = [json.loads((reports / f"rank_{r}.json").read_text()) for r in (0, 1)]
@@ -160,7 +139,7 @@ def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, ppo_inputs
 
     trained = {"model": (weights(out), weights(reference), weights(tiny_model))}
     if critic == "reward_model":  # the critic network, saved as a reward-model folder
-        trained["critic/"] = (weights(out / "critic"), weights(reference / "critic"), weights(data / "rm"))
+        trained["critic/"] = (weights(out / "critic"), weights(reference / "critic"), weights(reward_checkpoint))
     else:
         two, one = (load_file(folder / "value_head.safetensors") for folder in (out, reference))
         trained["value head"] = (two, one, {k: torch.zeros_like(t) for k, t in one.items()})  # starts at zero
@@ -176,21 +155,22 @@ def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, ppo_inputs
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, tiny_model, tmp_path):
-    args = ("--model", tiny_model, *COMMON[:-2], "--max_steps", "40", "--save_steps", "5",
-            "--dataset", str(DEMO_DATA / "sft.jsonl"), "--num_sample_completions", "0", "--per_device_batch_size", "2",
-            "--num_processes", "2", *MODES[mode])
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    train_cli("sft", *args, "--output_dir", str(straight))
+def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, tiny_model, toy_prompts, reference_run,
+                                                                 tmp_path):
+    """The uninterrupted run is test_two_ranks_match_one's two-rank SFT run; this one saves every 2 steps and
+    is killed as soon as checkpoint-2 is complete, 4 steps, the final evaluation and the save before its end."""
+    args = run_args("sft", tiny_model, toy_prompts, False, mode)
+    straight, killed = reference_run("sft", *args), tmp_path / "killed"
+    args = (*args, "--save_steps", "2")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
     kill_after_checkpoint([sys.executable, "-m", "trainer.cli", "train", "sft", *args, "--output_dir", str(killed)],
-                          killed / "checkpoint-10", 600, env)
+                          killed / "checkpoint-2", 600, env)
     assert not ckpt.is_complete(str(killed)), "the killed run must not have finished"
     resumed = train_cli("sft", *args, "--output_dir", str(killed), "--resume_from_checkpoint", "auto")
     assert "Resuming from" in resumed.stderr + resumed.stdout
     assert max_difference(weights(killed), weights(straight)) < 1e-6
-    assert [r["step"] for r in history(killed) if "loss" in r][-1] == 40
+    assert [r["step"] for r in history(killed) if "loss" in r][-1] == STEPS
 
 
 def test_gpu_check_dry_run_writes_its_summary(tmp_path):
@@ -229,13 +209,13 @@ def test_deepspeed_shards_go_to_s3_and_resume_from_there(tiny_model, s3_env, tmp
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_precomputed_reference_log_probs_are_computed_in_shares(mode, tiny_model, tmp_path):
+def test_precomputed_reference_log_probs_are_computed_in_shares(mode, tiny_model, toy_prompts, reference_run,
+                                                               tmp_path):
     """DPO's reference log-probs precomputed by two ranks (each scores its share, then they are gathered)
     train to the weights one rank gets, and the checkpointed scores are the same numbers."""
     args = ("--model", tiny_model, *COMMON[:-2], "--save_steps", "5", "--precompute_ref_log_probs", "true",
-            *stage_args("dpo", tmp_path))
-    one, two = tmp_path / "one", tmp_path / "two"
-    train_cli("dpo", *args, "--output_dir", str(one), "--per_device_batch_size", "4")
+            *stage_args("dpo", toy_prompts))
+    one, two = reference_run("dpo", *args, "--per_device_batch_size", "4"), tmp_path / "two"
     train_cli("dpo", *args, "--output_dir", str(two), "--per_device_batch_size", "2", "--num_processes", "2",
               *MODES[mode])
     assert max_difference(weights(two), weights(one)) < 1e-4

@@ -4,6 +4,7 @@ recognised, and a changed run is refused."""
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,14 @@ def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
 
 def marker(folder: Path) -> dict:
     return json.loads((folder / ckpt.COMPLETE_MARKER).read_text())
+
+
+@pytest.fixture(scope="module")
+def four_steps(tiny_model, tmp_path_factory) -> Path:
+    """A finished 4-step run with its step checkpoint 2 (`sft_config(max_steps=4)`). Tests that change it copy it."""
+    out = tmp_path_factory.mktemp("four-steps") / "run"
+    run_sft(sft_config(tiny_model, out, max_steps=4))
+    return out
 
 
 def test_marker_lists_sizes_and_hashes_and_auto_passes_over_a_truncated_file(tiny_model, tmp_path, caplog):
@@ -64,9 +73,9 @@ def test_marker_lists_sizes_and_hashes_and_auto_passes_over_a_truncated_file(tin
     assert [s for s, _ in ckpt.list_checkpoints(str(out), verify=True)] == [6]
 
 
-def test_markers_without_a_file_list_still_count(tiny_model, tmp_path):
+def test_markers_without_a_file_list_still_count(four_steps, tmp_path):
     out = tmp_path / "old"
-    run_sft(sft_config(tiny_model, out, max_steps=3))
+    shutil.copytree(four_steps, out)
     (out / "checkpoint-2" / ckpt.COMPLETE_MARKER).write_text(json.dumps({"step": 2, "time": 0}))
     assert ckpt.verify_checkpoint(str(out / "checkpoint-2")) == []
     assert ckpt.resolve_resume("auto", str(out)) == str(out / "checkpoint-2")
@@ -128,18 +137,6 @@ def test_auto_refuses_a_changed_run_and_an_explicit_path_warns(tiny_model, tmp_p
     assert [r["step"] for r in history(tmp_path / "branch")] == [1, 2, 3, 4]
 
 
-def test_data_fingerprint_is_the_rows_content(tmp_path):
-    """Same rows loaded from another path (or re-downloaded) -> same fingerprint; one changed value -> another."""
-    from trainer.data import dataset_fingerprint, load_rows
-
-    rows = [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["red", "green", "blue"]]
-    a = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "a.jsonl", rows), "train"))
-    b = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "b.jsonl", rows), "train"))
-    rows[1]["completion"] = " GREEN"
-    c = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "c.jsonl", rows), "train"))
-    assert a == b != c and a.startswith("sha256-")
-
-
 class _RunsCode:
     """A pickle whose loading would run code (it creates the file named by `path`)."""
 
@@ -152,14 +149,14 @@ class _RunsCode:
 
 @pytest.mark.parametrize("target", ["training_state/optimizer.pt", "training_state/scheduler.pt",
                                     "training_state/rng.pt"])
-def test_a_crafted_pickle_in_a_checkpoint_is_refused_not_run(target, tiny_model, tmp_path, capsys):
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_not_run(target, tiny_model, four_steps, tmp_path, capsys):
     """Someone who can write to a run's output prefix plants a pickle that runs code, and rewrites
     the marker to match: resuming (as pipelines do, with `auto`) refuses it in one line and exits 2;
     the code never runs and no final model is written."""
     import torch
 
     out = tmp_path / "run"
-    run_sft(sft_config(tiny_model, out, max_steps=4))
+    shutil.copytree(four_steps, out)  # sft_config(max_steps=4): the run the command line below continues
     ckpt_dir, ran = out / "checkpoint-2", tmp_path / "code-ran"
     for name in (ckpt.COMPLETE_MARKER, "model.safetensors", "alignflow.json"):  # back to "killed after step 2"
         (out / name).unlink()

@@ -1,4 +1,6 @@
-"""GRPO stage with the hf rollout engine: learns a toy task, validates inputs, resumes."""
+"""GRPO stage with the hf rollout engine: learns a toy task, trains every loss and estimator (RLOO included),
+resumes, logs completions for the report, scores with a classifier's label. Input checks that fail before
+training: tests/unit/trainer/test_grpo.py; shared-prompt attention: tests/unit/trainer/test_attention.py."""
 
 import json
 import math
@@ -9,20 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import grpo_config, prompts_file, rewards_of, write_jsonl
+from components import report
+from tests.helpers import grpo_config, prompts_file, rewards_of
 from trainer import checkpoint as ckpt
 from trainer import distributed
-from trainer.attention import (
-    SHARED_ATTENTION,
-    register_shared_attention,
-    share_prompts,
-    shared_prompt_attention,
-)
 from trainer.completions import build_batch, token_logps
-from trainer.config import ConfigError
-from trainer.data import DataError
 from trainer.grpo import run_grpo
-from trainer.models import load_causal_lm
+from trainer.models import ModelError, load_causal_lm
 from trainer.rewards import RewardError
 from trainer.rollout.base import Completion
 
@@ -128,118 +123,6 @@ def test_chat_prompts_and_extra_columns_reach_rewards(tiny_model, tmp_path):
     assert last["rewards/tokens_in_completion/mean"] == pytest.approx(last["completions/mean_length"])
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", SHARED_ATTENTION])
-def test_shared_prompt_rows_give_the_same_logps_and_gradients(tiny_model, attention):
-    """Running each group's prompt once (block attention mask, dense or in blocks) changes nothing but the cost."""
-    model = load_causal_lm(tiny_model, "float32")
-    model.set_attn_implementation(register_shared_attention() if attention == SHARED_ATTENTION else attention)
-    gen = torch.Generator().manual_seed(0)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(5, model.config.vocab_size, (n,), generator=gen).tolist()
-
-    lengths = [(9, 3, 9, 0), (5, 9, 1, 9)]  # ragged completions, one empty
-    completions = [[Completion(ids(n), [0.0] * n, "length") for n in group] for group in lengths]
-    batch = build_batch([ids(23), ids(11)], completions, pad_id=0)  # prompts of different lengths
-    results = []
-    for group_size in (0, 4):
-        model.zero_grad()
-        logps, ent = token_logps(model, batch, slice(0, 8), with_entropy=True, group_size=group_size)
-        (logps * torch.linspace(-1, 1, logps.shape[1])).sum().backward()
-        results.append((logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (plain, plain_ent, plain_grads), (shared, shared_ent, shared_grads) = results
-    assert torch.equal(shared != 0, batch.completion_mask.bool())
-    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
-    assert shared_ent == pytest.approx(plain_ent, abs=1e-5)
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
-    # Rows whose prompts differ inside a group are not shared.
-    assert share_prompts(batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_width, 8,
-                         torch.float32) is None
-
-
-def test_block_attention_reads_only_the_prompt_and_own_blocks():
-    """`shared_prompt_attention` equals dense sdpa under the shared-prompt mask, and never reads the
-    mask between completion blocks (so it really computes block by block), with GQA heads."""
-    import torch.nn.functional as F
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    gen = torch.Generator().manual_seed(0)
-    P, G, C, H, Hkv, D = 5, 3, 4, 4, 2, 8
-    ids = torch.arange(2 * G * (P + C)).view(2 * G, P + C) % 7
-    ids[:, :P] = ids[::G, :P].repeat_interleave(G, 0)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[G:, 0] = 0  # the second group's prompt is one token shorter (left padding)
-    attention_mask[1, -1] = 0  # a completion ending early
-    shared = share_prompts(ids, attention_mask, attention_mask.clone(), P, G, torch.float32)
-    T = P + G * C
-    q = torch.randn(2, H, T, D, generator=gen)
-    k, v = torch.randn(2, Hkv, T, D, generator=gen), torch.randn(2, Hkv, T, D, generator=gen)
-    module = torch.nn.Module()
-    module.num_key_value_groups = H // Hkv
-    out, _ = shared_prompt_attention(module, q, k, v, shared.attention_mask, scaling=D ** -0.5, **shared.model_kwargs)
-    dense = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=shared.attention_mask,
-                                           scale=D ** -0.5).transpose(1, 2)
-    torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-5)
-    leaky = shared.attention_mask.clone()
-    block = torch.arange(G * C) // C
-    leaky[:, :, P:, P:] = torch.where(block[:, None] == block[None, :], leaky[:, :, P:, P:],
-                                      torch.zeros(()))  # open every entry between different completions
-    again, _ = shared_prompt_attention(module, q, k, v, leaky, scaling=D ** -0.5, **shared.model_kwargs)
-    torch.testing.assert_close(again, out, atol=0, rtol=0)
-    plain, _ = shared_prompt_attention(module, q, k, v, leaky, scaling=D ** -0.5)  # no layout: dense sdpa
-    assert not torch.allclose(plain, out, atol=1e-3)
-
-
-@pytest.mark.parametrize("P, G, C, blocks", [(5, 3, 4, False), (4, 4, 8, True)])
-def test_half_precision_block_attention_on_cpu(P, G, C, blocks):
-    """In bfloat16 on CPU `shared_prompt_attention` runs as matmuls (dense under the mask for short
-    rows, else in blocks): output and gradients equal float64 attention within bf16 rounding, and
-    float32 inputs under autocast take the same bf16 path."""
-    import torch.nn.functional as F
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    gen = torch.Generator().manual_seed(0)
-    H, Hkv, D = 6, 2, 16
-    ids = torch.arange(2 * G * (P + C)).view(2 * G, P + C) % 7
-    ids[:, :P] = ids[::G, :P].repeat_interleave(G, 0)
-    attention_mask = torch.ones_like(ids)
-    attention_mask[G:, 0] = 0  # left padding in the second group's prompt
-    attention_mask[1, -2:] = 0  # a completion ending early
-    shared = share_prompts(ids, attention_mask, attention_mask.clone(), P, G, torch.float32)
-    T = P + G * C
-    q = torch.randn(2, H, T, D, generator=gen)
-    k, v = torch.randn(2, Hkv, T, D, generator=gen), torch.randn(2, Hkv, T, D, generator=gen)
-    weights = torch.randn(2, T, H, D, generator=gen)
-    module = torch.nn.Module()
-    module.num_key_value_groups = H // Hkv
-
-    def attend(mask, *inputs):
-        out, _ = shared_prompt_attention(module, *inputs, mask, scaling=D ** -0.5, **shared.model_kwargs)
-        grads = torch.autograd.grad((out.float() * weights).sum(), inputs)
-        return out, grads
-
-    half = [x.bfloat16().requires_grad_() for x in (q, k, v)]
-    out, grads = attend(shared.attention_mask, *half)
-    exact = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = F.scaled_dot_product_attention(exact[0], repeat_kv(exact[1], 3), repeat_kv(exact[2], 3),
-                                         attn_mask=shared.attention_mask.double(), scale=D ** -0.5).transpose(1, 2)
-    ref_grads = torch.autograd.grad((ref * weights.double()).sum(), exact)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
-    for grad, expected in zip(grads, ref_grads):
-        assert grad.dtype == torch.bfloat16
-        assert (grad.double() - expected).abs().max() <= 3e-2 * expected.abs().max()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast_out, _ = attend(shared.attention_mask, *(x.clone().requires_grad_() for x in (q, k, v)))
-    assert torch.equal(autocast_out, out)
-    if blocks:  # mask entries between different completions are never read
-        leaky = shared.attention_mask.clone()
-        block = torch.arange(G * C) // C
-        leaky[:, :, P:, P:] = torch.where(block[:, None] == block[None, :], leaky[:, :, P:, P:], torch.zeros(()))
-        assert torch.equal(attend(leaky, *half)[0], out)
-
-
 def test_share_prompt_trains_like_unshared(tiny_model, tmp_path):
     """One cycle (reference model, old log-probs, two optimizer steps): same weights either way."""
     weights = []
@@ -281,18 +164,6 @@ def test_misbehaving_reward_function_is_named(tiny_model, tmp_path, func, messag
     assert func in str(err.value)
 
 
-def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
-    with pytest.raises(ConfigError, match="divisible by num_generations"):
-        grpo_config(tiny_model, tmp_path, per_device_batch_size=6, num_generations=4)
-    with pytest.raises(ConfigError, match="reward_weights"):
-        grpo_config(tiny_model, tmp_path, reward_weights=[1.0, 2.0])
-    sft_data = write_jsonl(tmp_path / "sft.jsonl", [{"text": "hello"}])
-    with pytest.raises(DataError, match="needs a `prompt` column"):
-        run_grpo(grpo_config(tiny_model, tmp_path, dataset=str(sft_data)))
-    with pytest.raises(ValueError, match="Unknown reward function"):
-        run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=["no_such_reward"]))
-
-
 def test_eval_dataset_is_scored_every_eval_steps_and_at_the_end(tiny_model, tmp_path):
     """GRPO evaluates held-out prompts (TRL's eval_reward) every `eval_steps` and after the last step."""
     held_out = prompts_file(tmp_path / "held_out.jsonl", n=5)
@@ -307,21 +178,39 @@ def test_eval_dataset_is_scored_every_eval_steps_and_at_the_end(tiny_model, tmp_
     assert manifest["datasets"]["eval"]["rows"] == 5
 
 
-def test_truncation_mode_and_unsupported_eval_split(tiny_model, tmp_path):
-    from trainer.grpo import load_prompts
-    from trainer.models import load_tokenizer
+def test_grpo_model_carries_its_last_completions_for_the_report(tiny_model, tmp_path):
+    """A real GRPO run logs completions: the model's manifest keeps the last table, and the report
+    built from the folder shows them with the reward function's column and the curves."""
+    from trainer.grpo import run_grpo
 
-    tokenizer = load_tokenizer(tiny_model)
-    path = prompts_file(tmp_path / "p.jsonl", n=4)
-    full = load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=64))
-    cut = {mode: load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=3,
-                                                                     truncation_mode=mode))
-           for mode in ("keep_end", "keep_start")}
-    assert all(len(ids) > 3 for ids in full.token_ids)
-    assert cut["keep_end"].token_ids == [ids[-3:] for ids in full.token_ids]
-    assert cut["keep_start"].token_ids == [ids[:3] for ids in full.token_ids]
-    with pytest.raises(DataError, match="no prompts left"):
-        load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=3,
-                                                           truncation_mode="drop"))
-    with pytest.raises(ConfigError, match="eval_split_ratio"):
-        run_grpo(grpo_config(tiny_model, tmp_path, eval_split_ratio=0.1))
+    out = run_grpo(grpo_config(tiny_model, tmp_path, max_steps=2, log_completions_steps=1, num_completions_to_log=3,
+                               logging_steps=1))
+    manifest = ckpt.read_json(str(Path(out, ckpt.MANIFEST)))
+    samples = manifest["samples"]
+    assert len(samples) == 3 and {s["step"] for s in samples} == {2}
+    assert set(samples[0]) == {"step", "prompt", "completion", "rewards/target_frequency", "reward", "advantage"}
+    page = report.render(report.Report("grpo", "", manifest["metrics"], ckpt.read_history(out), samples))
+    assert "<th>rewards/target_frequency</th>" in page and "<title>Reward</title>" in page
+
+
+def test_grpo_rewards_with_a_sentiment_label_and_rejects_a_bad_one_before_training(tiny_model, sentiment_checkpoint,
+                                                                                    tmp_path):
+    """A 2-label classifier trains GRPO with the probability of POSITIVE as the reward (in [0, 1]); an unknown
+    label fails in the input checks: no checkpoint, no metrics."""
+    run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=[sentiment_checkpoint], reward_label="POSITIVE",
+                         reward_label_score="probability", max_steps=1))
+    rewards = rewards_of(tmp_path / "out")
+    assert len(rewards) == 1 and 0.0 < rewards[0] < 1.0
+    bad = tmp_path / "bad"
+    with pytest.raises(ModelError, match=r"set `reward_label` to one of \['NEGATIVE', 'POSITIVE'\]"):
+        run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=[sentiment_checkpoint], reward_label="positive",
+                             output_dir=str(bad)))
+    assert not ckpt.read_history(str(bad)) and not ckpt.is_complete(str(bad))
+
+
+def test_grpo_rloo_estimator_trains(tiny_model, tmp_path):
+    run_grpo(grpo_config(tiny_model, tmp_path, advantage_estimator="rloo", max_steps=2))
+    assert len(rewards_of(tmp_path / "out")) == 2
+    a = load_file(tmp_path / "out" / "model.safetensors")
+    b = load_file(Path(tiny_model) / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)

@@ -1,7 +1,7 @@
 """SFT stage: the objective improves, batching is exact, checkpoints are complete or ignored."""
 
 import json
-import warnings
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,9 +11,8 @@ from safetensors.torch import load_file
 from tests.helpers import history
 from trainer import checkpoint as ckpt
 from trainer.config import parse_config
-from trainer.data import load_rows, tokenize_sft
 from trainer.models import load_causal_lm, load_tokenizer
-from trainer.sft import SFTConfig, collate, run_sft, token_loss
+from trainer.sft import SFTConfig, run_sft
 
 
 def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
@@ -56,17 +55,6 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_model, tmp_path):
     for name in a:
         assert not torch.equal(a[name], start[name]), f"{name} did not train"
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)  # Adam amplifies summation-order noise
-
-
-def test_packed_rows_do_not_attend_across_examples(tiny_model):
-    tokenizer = load_tokenizer(tiny_model)
-    model = load_causal_lm(tiny_model)
-    data = tokenize_sft(load_rows("demo").select(range(6)), tokenizer, "demo", 128, "keep_start")
-    pad = tokenizer.pad_token_id
-    with torch.no_grad():
-        unpacked, _ = token_loss(model, collate(data, [[i] for i in range(6)], pad, packed=False))
-        packed, _ = token_loss(model, collate(data, [[0, 1, 2], [3, 4, 5]], pad, packed=True))
-    torch.testing.assert_close(packed, unpacked, atol=1e-4, rtol=1e-5)
 
 
 def test_packing_trains(tiny_model, tmp_path):
@@ -126,21 +114,6 @@ def test_resume_continues_metrics_and_steps(tiny_model, tmp_path):
     assert steps[-1] == 9 and steps == sorted(steps)
 
 
-def test_tokenizer_without_pad_token_falls_back_to_eos(tiny_model, tmp_path):
-    folder = tmp_path / "nopad"
-    tok = load_tokenizer(tiny_model)
-    tok.pad_token = None
-    tok.save_pretrained(folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg.pop("pad_token", None)
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loaded = load_tokenizer(str(folder))
-    assert loaded.pad_token == loaded.eos_token
-    assert any("no pad token" in str(w.message) for w in caught)
-
-
 def test_cli_runs_demo_config(tiny_model, tmp_path):
     from trainer.cli import main
 
@@ -151,3 +124,34 @@ def test_cli_runs_demo_config(tiny_model, tmp_path):
     assert ckpt.is_complete(str(out))
     config = parse_config(SFTConfig, argv[2:])
     assert config.learning_rate == 3e-3 and config.max_steps == 4
+
+
+def _without_template(tiny_model: str, tmp_path: Path) -> Path:
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (base / name).unlink(missing_ok=True)
+    config_file = base / "tokenizer_config.json"
+    data = json.loads(config_file.read_text())
+    data.pop("chat_template", None)
+    config_file.write_text(json.dumps(data))
+    return base
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_sft_with_a_chat_template_path_saves_it(tiny_model, tmp_path):
+    """A base model without a template trains on chat data with the file's template, and keeps it."""
+    from transformers import AutoTokenizer
+
+    from trainer.sft import run_sft
+
+    jinja = tmp_path / "chat.jinja"
+    jinja.write_text(TEMPLATE)
+    config = SFTConfig(model=str(_without_template(tiny_model, tmp_path)), dataset="demo:chat", max_steps=1,
+                       per_device_batch_size=2, output_dir=str(tmp_path / "out"), chat_template_path=str(jinja),
+                       num_sample_completions=0, disable_progress_bar=True)
+    out = run_sft(config)
+    assert AutoTokenizer.from_pretrained(out).chat_template == TEMPLATE

@@ -1,18 +1,16 @@
-"""The lean install: `pip install alignflow` (no extras) trains; a missing extra is named in one line.
+"""The lean install: a missing extra is named in one line (that `pip install alignflow` with no extras trains:
+tests/stage/test_install.py).
 
 The subprocess tests hide the optional packages from a child interpreter with a meta-path finder
 that stands in for Python's own path finder and finds none of them (so `import mlflow` raises
 ModuleNotFoundError and `importlib.util.find_spec("mlflow")` is None, exactly as when the package
-was never installed), then run the real CLI on the tiny model. The packaging tests check that
+was never installed), then run the real CLI. The packaging tests check that
 pyproject.toml's core dependencies leave the extras out and that requirements/cpu.txt satisfies
 every range.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,35 +19,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.helpers import ROOT
+from tests.helpers import CLI, HIDDEN, PRELUDE, ROOT, lean
 from trainer import extras
-
-# The modules the extras install (and the clients they bring along); none may be needed to train.
-HIDDEN = ("mlflow", "kfp", "kfp_server_api", "kubernetes", "boto3", "botocore", "s3fs", "aiobotocore", "vllm",
-          "deepspeed", "gguf")
-PRELUDE = f"""
-import runpy, sys
-from importlib.machinery import PathFinder
-
-class HideExtras(PathFinder):
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name.partition(".")[0] in {HIDDEN!r}:
-            return None
-        return PathFinder.find_spec(name, path, target)
-
-sys.meta_path[:] = [HideExtras if f is PathFinder else f for f in sys.meta_path]
-"""
-CLI = PRELUDE + "sys.argv[0] = 'alignflow'\nrunpy.run_module('pipelines.cli', run_name='__main__')\n"
-
-
-def lean(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -c code args` from the repository root with the optional packages hidden."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    full_env.pop("MLFLOW_TRACKING_URI", None)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def test_the_prelude_hides_the_optional_packages():
@@ -64,18 +35,6 @@ def test_the_prelude_hides_the_optional_packages():
     done = lean(code)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"hidden {len(installed)}" in done.stdout
-
-
-def test_sft_trains_without_any_extra(tiny_model, tmp_path):
-    """`alignflow train sft` on the demo data with no extra importable: trains, saves, and notes once
-    that MLflow tracking is off."""
-    out = tmp_path / "sft"
-    done = lean(CLI, "train", "sft", "--model", tiny_model, "--dataset", "demo", "--output_dir", str(out),
-                "--max_steps", "2", "--per_device_batch_size", "2", "--max_length", "64")
-    assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    assert (out / "model.safetensors").is_file() and (out / "alignflow.complete").exists()
-    assert done.stderr.count("MLflow tracking is off") == 1, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
 
 
 def test_tracking_uri_without_mlflow_is_one_line_before_training(tmp_path):

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from components import launcher, report
-from tests.helpers import grpo_config
-from trainer import checkpoint as ckpt
 from trainer.completions import chat_text, completions_table, flat_sample, sample_rows
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -110,31 +107,3 @@ def test_evaluate_report_shows_samples_with_reward_columns(tmp_path):
     page = report.render(launcher.evaluate_report({"reward": 1.0}, str(tmp_path), False, "no champion yet", ""))
     assert "Gate not passed" in page
     assert re.findall(r"<th>([^<]+)</th>", page)[:4] == ["prompt", "completion", "rewards/accuracy", "reward"]
-
-
-def test_grpo_model_carries_its_last_completions_for_the_report(tiny_model, tmp_path):
-    """A real GRPO run logs completions: the model's manifest keeps the last table, and the report
-    built from the folder shows them with the reward function's column and the curves."""
-    from trainer.grpo import run_grpo
-
-    out = run_grpo(grpo_config(tiny_model, tmp_path, max_steps=2, log_completions_steps=1, num_completions_to_log=3,
-                               logging_steps=1))
-    manifest = ckpt.read_json(str(Path(out, ckpt.MANIFEST)))
-    samples = manifest["samples"]
-    assert len(samples) == 3 and {s["step"] for s in samples} == {2}
-    assert set(samples[0]) == {"step", "prompt", "completion", "rewards/target_frequency", "reward", "advantage"}
-    page = report.render(report.Report("grpo", "", manifest["metrics"], ckpt.read_history(out), samples))
-    assert "<th>rewards/target_frequency</th>" in page and "<title>Reward</title>" in page
-
-
-def test_ppo_completions_show_score_and_mean_advantage(tiny_model, tmp_path):
-    """PPO's table: the weighted score (after the missing-EOS penalty) and each completion's mean
-    per-token advantage, next to the reward function's column."""
-    from tests.helpers import ppo_config
-    from trainer.ppo import run_ppo
-
-    out = run_ppo(ppo_config(tiny_model, tmp_path, max_steps=1, log_completions_steps=1, num_completions_to_log=2))
-    samples = ckpt.read_json(str(Path(out, ckpt.MANIFEST)))["samples"]
-    assert [set(s) for s in samples] == [{"step", "prompt", "completion", "rewards/target_frequency", "score",
-                                          "advantage"}] * 2
-    assert all(isinstance(s["advantage"], float) for s in samples)

@@ -404,3 +404,15 @@ def test_pack_best_fit_random_is_near_optimal(high, slack):
     _check_packing(lengths, capacity, bins)
     lower_bound = math.ceil(sum(lengths) / capacity)  # no packing can use fewer rows
     assert len(bins) <= math.ceil(slack * lower_bound) + 1
+
+
+def test_data_fingerprint_is_the_rows_content(tmp_path):
+    """Same rows loaded from another path (or re-downloaded) -> same fingerprint; one changed value -> another."""
+    from trainer.data import dataset_fingerprint, load_rows
+
+    rows = [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["red", "green", "blue"]]
+    a = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "a.jsonl", rows), "train"))
+    b = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "b.jsonl", rows), "train"))
+    rows[1]["completion"] = " GREEN"
+    c = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "c.jsonl", rows), "train"))
+    assert a == b != c and a.startswith("sha256-")

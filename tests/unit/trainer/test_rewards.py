@@ -13,7 +13,7 @@ from trainer.rewards import RewardModelScorer, plain_chat
 
 
 @pytest.fixture(scope="module")
-def reward_checkpoint(tiny_model, tmp_path_factory) -> str:
+def scorer_checkpoint(tiny_model, tmp_path_factory) -> str:
     """The tiny model with a random scalar head, saved as a sequence-classification folder."""
     tokenizer = load_tokenizer(tiny_model)
     torch.manual_seed(0)
@@ -30,9 +30,9 @@ PROMPTS = ["What is 2 + 2?", "Name a colour.", "Q", "Write a long sentence about
 COMPLETIONS = [" 4", " Blue, or perhaps a deep shade of green.", " A", " Rivers run."]
 
 
-def test_batched_scores_equal_one_by_one_scores(reward_checkpoint):
-    batched = RewardModelScorer(reward_checkpoint, batch_size=3)
-    single = RewardModelScorer(reward_checkpoint, batch_size=1)
+def test_batched_scores_equal_one_by_one_scores(scorer_checkpoint):
+    batched = RewardModelScorer(scorer_checkpoint, batch_size=3)
+    single = RewardModelScorer(scorer_checkpoint, batch_size=1)
     prompts, completions = PROMPTS * 2, COMPLETIONS + COMPLETIONS[::-1]  # 8 texts, lengths mixed
     one_by_one = [single([p], [c])[0] for p, c in zip(prompts, completions)]
     scores = batched(prompts, completions)
@@ -42,8 +42,8 @@ def test_batched_scores_equal_one_by_one_scores(reward_checkpoint):
     assert batched([], []) == []
 
 
-def test_trl_signature_and_name(reward_checkpoint):
-    scorer = RewardModelScorer(reward_checkpoint)
+def test_trl_signature_and_name(scorer_checkpoint):
+    scorer = RewardModelScorer(scorer_checkpoint)
     assert scorer.__name__ == "my-rm"
     # Extra dataset columns arrive as keyword arguments, as in TRL's GRPOTrainer.
     assert scorer(PROMPTS[:2], COMPLETIONS[:2], answer=["4", "blue"], trainer_state=None) == scorer(PROMPTS[:2],
@@ -52,8 +52,8 @@ def test_trl_signature_and_name(reward_checkpoint):
         scorer(PROMPTS[:2], COMPLETIONS[:1])
 
 
-def test_chat_is_rendered_with_the_reward_models_template(reward_checkpoint):
-    scorer = RewardModelScorer(reward_checkpoint)
+def test_chat_is_rendered_with_the_reward_models_template(scorer_checkpoint):
+    scorer = RewardModelScorer(scorer_checkpoint)
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     completion = [{"role": "assistant", "content": "Blue."}]
     conversation = render_chat(scorer.tokenizer, prompt + completion)
@@ -70,21 +70,21 @@ def test_chat_is_rendered_with_the_reward_models_template(reward_checkpoint):
     assert scorer([prompt], [completion]) != scorer.score_texts([plain_chat(prompt + completion)])
 
 
-def test_text_pairs_are_joined_and_closed_with_eos(reward_checkpoint):
-    scorer = RewardModelScorer(reward_checkpoint)
+def test_text_pairs_are_joined_and_closed_with_eos(scorer_checkpoint):
+    scorer = RewardModelScorer(scorer_checkpoint)
     assert scorer.texts(["Q:"], [" A"]) == ["Q: A<|im_end|>"]
 
 
-def test_chat_without_a_template_falls_back_to_plain_text(reward_checkpoint):
-    scorer = RewardModelScorer(reward_checkpoint)
+def test_chat_without_a_template_falls_back_to_plain_text(scorer_checkpoint):
+    scorer = RewardModelScorer(scorer_checkpoint)
     scorer.tokenizer.chat_template = None  # as for BERT-style encoders
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert scorer.texts([messages[:1]], [messages[1:]]) == ["\n\nUser: Hi\n\nAssistant: Hello<|im_end|>"]
 
 
-def test_long_texts_keep_their_end(reward_checkpoint):
+def test_long_texts_keep_their_end(scorer_checkpoint):
     """The RM stage saves truncation_side=left for keep_end; a scorer honours the saved side."""
-    scorer = RewardModelScorer(reward_checkpoint, max_length=8)
+    scorer = RewardModelScorer(scorer_checkpoint, max_length=8)
     scorer.tokenizer.truncation_side = "left"
     long_prompt = "apple river stone cloud green music paper light table window garden " * 3
     a, b = scorer([long_prompt, "x"], [" yes", " no"])[0], scorer(["y " + long_prompt], [" yes"])[0]

@@ -1,5 +1,5 @@
 """trainer.storage on fsspec's in-memory filesystem (the S3 paths are tested against SeaweedFS in
-tests/integration)."""
+tests/e2e)."""
 
 import fsspec
 import pytest

@@ -305,21 +305,6 @@ def test_chat_template_path_errors(tiny_model, tmp_path):
         read_chat_template(str(_without_template(tiny_model, tmp_path)))
 
 
-def test_sft_with_a_chat_template_path_saves_it(tiny_model, tmp_path):
-    """A base model without a template trains on chat data with the file's template, and keeps it."""
-    from transformers import AutoTokenizer
-
-    from trainer.sft import run_sft
-
-    jinja = tmp_path / "chat.jinja"
-    jinja.write_text(TEMPLATE)
-    config = SFTConfig(model=str(_without_template(tiny_model, tmp_path)), dataset="demo:chat", max_steps=1,
-                       per_device_batch_size=2, output_dir=str(tmp_path / "out"), chat_template_path=str(jinja),
-                       num_sample_completions=0, disable_progress_bar=True)
-    out = run_sft(config)
-    assert AutoTokenizer.from_pretrained(out).chat_template == TEMPLATE
-
-
 # -- the CLI -----------------------------------------------------------------------------------------------------
 
 

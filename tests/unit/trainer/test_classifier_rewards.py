@@ -1,5 +1,6 @@
 """Reward models in `reward_funcs`: classifiers with several labels score one named label (logit or
-softmax probability), a bad label fails before training, and hub ids load from the local HF cache."""
+softmax probability), a bad label fails before the weights load, and hub ids load from the local HF cache.
+A GRPO run rewarded by a label: tests/stage/test_grpo.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import huggingface_hub
 import pytest
 import torch
 
-from tests.helpers import classifier_checkpoint, grpo_config, rewards_of
-from trainer import checkpoint as ckpt
+from tests.helpers import classifier_checkpoint
 from trainer.config import ConfigError
-from trainer.grpo import run_grpo
 from trainer.models import ModelError, load_reward_model, load_tokenizer
 from trainer.preferences import reward_texts
 from trainer.rewards import RewardModelScorer, load_reward_function
@@ -22,11 +21,6 @@ PROMPTS = ["What is 2 + 2?", "Name a colour.", "Write something about item 3."]
 COMPLETIONS = [" 4", " Blue, or perhaps green.", " a a a"]
 SENTIMENT = ["NEGATIVE", "POSITIVE"]
 THREE = ["contradiction", "neutral", "entailment"]
-
-
-@pytest.fixture(scope="module")
-def two_labels(tiny_model, tmp_path_factory) -> str:
-    return classifier_checkpoint(tiny_model, tmp_path_factory.mktemp("clf") / "sentiment", SENTIMENT, scale=5)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def direct_logits(path: str, n_labels: int) -> torch.Tensor:
         return torch.cat([model(**tokenizer(t, return_tensors="pt")).logits for t in texts])
 
 
-@pytest.mark.parametrize("fixture, labels", [("two_labels", SENTIMENT), ("three_labels", THREE)])
+@pytest.mark.parametrize("fixture, labels", [("sentiment_checkpoint", SENTIMENT), ("three_labels", THREE)])
 def test_a_named_label_scores_its_logit_or_probability(request, fixture, labels):
     """Every label, as logit and as probability, is the matching column of the model's own logits (or of
     their softmax); the probabilities of all labels of one text sum to 1."""
@@ -75,26 +69,11 @@ def test_missing_or_unknown_label_is_a_one_line_error(three_labels, monkeypatch,
     assert "\n" not in str(err.value)
 
 
-def test_one_label_reward_models_ignore_reward_label(tiny_model, tmp_path):
-    rm = classifier_checkpoint(tiny_model, tmp_path / "rm", scale=5)
+def test_one_label_reward_models_ignore_reward_label(reward_checkpoint):
+    rm = reward_checkpoint
     plain = load_reward_function(rm)(PROMPTS, COMPLETIONS)
     assert load_reward_function(rm, label="POSITIVE", label_score="probability")(PROMPTS, COMPLETIONS) == plain
     torch.testing.assert_close(torch.tensor(plain), direct_logits(rm, 1)[:, 0], atol=1e-5, rtol=0)
-
-
-def test_grpo_rewards_with_a_sentiment_label_and_rejects_a_bad_one_before_training(tiny_model, two_labels,
-                                                                                    tmp_path):
-    """A 2-label classifier trains GRPO with the probability of POSITIVE as the reward (in [0, 1]); an unknown
-    label fails in the input checks: no checkpoint, no metrics."""
-    run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=[two_labels], reward_label="POSITIVE",
-                         reward_label_score="probability", max_steps=1))
-    rewards = rewards_of(tmp_path / "out")
-    assert len(rewards) == 1 and 0.0 < rewards[0] < 1.0
-    bad = tmp_path / "bad"
-    with pytest.raises(ModelError, match=r"set `reward_label` to one of \['NEGATIVE', 'POSITIVE'\]"):
-        run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=[two_labels], reward_label="positive",
-                             output_dir=str(bad)))
-    assert not ckpt.read_history(str(bad)) and not ckpt.is_complete(str(bad))
 
 
 def hub_cache(root: Path, repo_id: str, folder: str, revision: str = "0123456789abcdef0123456789abcdef01234567"):
@@ -120,11 +99,11 @@ def offline_cache(tmp_path, monkeypatch) -> Path:
     return cache
 
 
-def test_hub_id_loads_from_the_local_cache_offline(two_labels, offline_cache):
-    hub_cache(offline_cache, "tiny-org/sentiment-rm", two_labels)
+def test_hub_id_loads_from_the_local_cache_offline(sentiment_checkpoint, offline_cache):
+    hub_cache(offline_cache, "tiny-org/sentiment-rm", sentiment_checkpoint)
     fn = load_reward_function("tiny-org/sentiment-rm", label="POSITIVE")
     assert isinstance(fn, RewardModelScorer) and fn.__name__ == "sentiment-rm"
-    assert fn(PROMPTS, COMPLETIONS) == load_reward_function(two_labels, label="POSITIVE")(PROMPTS, COMPLETIONS)
+    assert fn(PROMPTS, COMPLETIONS) == load_reward_function(sentiment_checkpoint, label="POSITIVE")(PROMPTS, COMPLETIONS)
 
 
 @pytest.mark.parametrize("spec", ["tiny-org/not-cached", "outputs/no-such-rm", "no_such_function"])
