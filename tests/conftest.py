@@ -47,6 +47,22 @@ def tiny_model(tmp_path_factory) -> str:
     return str(init_tiny(tmp_path_factory.mktemp("tiny-model")))
 
 
+@pytest.fixture
+def count_model_loads(monkeypatch):
+    """Counts every model the DPO stage loads (policy and reference)."""
+    import trainer.dpo as dpo
+
+    loads = []
+    real = dpo.load_causal_lm
+
+    def counting(path, *args, **kwargs):
+        loads.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(dpo, "load_causal_lm", counting)
+    return loads
+
+
 _DURATIONS = os.environ.get("ALIGNFLOW_TEST_DURATIONS")  # scripts/test.sh: one line per test, as it ends
 _timings: dict[str, tuple[float, str]] = {}
 

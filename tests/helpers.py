@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -90,6 +91,17 @@ def ppo_config(model: str, tmp_path: Path, **overrides):
                   log_completions_steps=0)
     values.update(overrides)
     return PPOConfig(**values)
+
+
+def dpo_config(model: str, out: Path, **overrides):
+    """A DPOConfig on the demo preferences, writing to `out`."""
+    from trainer.dpo import DPOConfig
+
+    values = dict(model=model, dataset="demo:preferences", output_dir=str(out), max_steps=6, per_device_batch_size=16,
+                  learning_rate=3e-3, logging_steps=1, max_length=128,
+                  disable_progress_bar=True)
+    values.update(overrides)
+    return DPOConfig(**values)
 
 
 def rewards_of(out: Path) -> list[float]:
@@ -387,3 +399,24 @@ def lean(code: str, *args: str, env: dict | None = None, timeout: float = 300) -
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# -- chat templates ------------------------------------------------------------------------------
+
+
+def without_chat_template(tiny_model: str, tmp_path: Path) -> Path:
+    """A copy of the tiny model whose tokenizer has no chat template."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (base / name).unlink(missing_ok=True)
+    config_file = base / "tokenizer_config.json"
+    data = json.loads(config_file.read_text())
+    data.pop("chat_template", None)
+    config_file.write_text(json.dumps(data))
+    return base
+
+
+CHAT_TEMPLATE = (  # a minimal template, for tokenizers without one
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")

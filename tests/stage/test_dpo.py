@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.dpo as dpo
-from tests.helpers import history, write_jsonl
+from tests.helpers import dpo_config, history, write_jsonl
 from trainer import checkpoint as ckpt
 from trainer.config import parse_config
 from trainer.data import load_rows
@@ -22,30 +22,8 @@ TRL_METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/
                "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
 
 
-def dpo_config(model: str, out: Path, **overrides) -> DPOConfig:
-    values = dict(model=model, dataset="demo:preferences", output_dir=str(out), max_steps=6, per_device_batch_size=16,
-                  learning_rate=3e-3, logging_steps=1, max_length=128,
-                  disable_progress_bar=True)
-    values.update(overrides)
-    return DPOConfig(**values)
-
-
 def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "model.safetensors")
-
-
-@pytest.fixture
-def count_model_loads(monkeypatch):
-    """Counts every model the stage loads (policy and reference)."""
-    loads = []
-    real = dpo.load_causal_lm
-
-    def counting(path, *args, **kwargs):
-        loads.append(path)
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(dpo, "load_causal_lm", counting)
-    return loads
 
 
 def test_dpo_learns_to_prefer_chosen_on_held_out_pairs(tiny_model, tmp_path):

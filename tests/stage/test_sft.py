@@ -1,14 +1,13 @@
 """SFT stage: the objective improves, batching is exact, checkpoints are complete or ignored."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import history
+from tests.helpers import CHAT_TEMPLATE, history, without_chat_template
 from trainer import checkpoint as ckpt
 from trainer.config import parse_config
 from trainer.models import load_causal_lm, load_tokenizer
@@ -126,22 +125,6 @@ def test_cli_runs_demo_config(tiny_model, tmp_path):
     assert config.learning_rate == 3e-3 and config.max_steps == 4
 
 
-def _without_template(tiny_model: str, tmp_path: Path) -> Path:
-    base = tmp_path / "base"
-    shutil.copytree(tiny_model, base)
-    for name in ("chat_template.jinja", "chat_template.json"):
-        (base / name).unlink(missing_ok=True)
-    config_file = base / "tokenizer_config.json"
-    data = json.loads(config_file.read_text())
-    data.pop("chat_template", None)
-    config_file.write_text(json.dumps(data))
-    return base
-
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 def test_sft_with_a_chat_template_path_saves_it(tiny_model, tmp_path):
     """A base model without a template trains on chat data with the file's template, and keeps it."""
     from transformers import AutoTokenizer
@@ -149,9 +132,9 @@ def test_sft_with_a_chat_template_path_saves_it(tiny_model, tmp_path):
     from trainer.sft import run_sft
 
     jinja = tmp_path / "chat.jinja"
-    jinja.write_text(TEMPLATE)
-    config = SFTConfig(model=str(_without_template(tiny_model, tmp_path)), dataset="demo:chat", max_steps=1,
+    jinja.write_text(CHAT_TEMPLATE)
+    config = SFTConfig(model=str(without_chat_template(tiny_model, tmp_path)), dataset="demo:chat", max_steps=1,
                        per_device_batch_size=2, output_dir=str(tmp_path / "out"), chat_template_path=str(jinja),
                        num_sample_completions=0, disable_progress_bar=True)
     out = run_sft(config)
-    assert AutoTokenizer.from_pretrained(out).chat_template == TEMPLATE
+    assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEMO_DATA, ROOT, write_jsonl
+from tests.helpers import CHAT_TEMPLATE, DEMO_DATA, ROOT, without_chat_template, write_jsonl
 from trainer import cli
 from trainer import config as config_module
 from trainer.config import ConfigError, TrainConfig, aliases, config_from_dict, parse_config
@@ -265,31 +264,15 @@ def test_dataset_and_mixture_together_is_an_error():
         config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "datasets": [{"path": "demo"}]})
 
 
-def _without_template(tiny_model: str, tmp_path: Path) -> Path:
-    base = tmp_path / "base"
-    shutil.copytree(tiny_model, base)
-    for name in ("chat_template.jinja", "chat_template.json"):
-        (base / name).unlink(missing_ok=True)
-    config_file = base / "tokenizer_config.json"
-    data = json.loads(config_file.read_text())
-    data.pop("chat_template", None)
-    config_file.write_text(json.dumps(data))
-    return base
-
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 def test_chat_template_path_from_a_file_or_a_tokenizer_folder(tiny_model, tmp_path):
     from trainer.models import model_and_tokenizer
 
-    base = _without_template(tiny_model, tmp_path)
+    base = without_chat_template(tiny_model, tmp_path)
     assert not model_and_tokenizer(SFTConfig(model=str(base), dataset="demo"))[1].chat_template
     jinja = tmp_path / "chat.jinja"
-    jinja.write_text(TEMPLATE)
+    jinja.write_text(CHAT_TEMPLATE)
     _, tokenizer = model_and_tokenizer(SFTConfig(model=str(base), dataset="demo", chat_template_path=str(jinja)))
-    assert tokenizer.chat_template == TEMPLATE
+    assert tokenizer.chat_template == CHAT_TEMPLATE
     _, tokenizer = model_and_tokenizer(SFTConfig(model=str(base), dataset="demo", chat_template_path=tiny_model))
     assert tokenizer.chat_template == read_chat_template(tiny_model) and "{%" in tokenizer.chat_template
 
@@ -302,7 +285,7 @@ def test_chat_template_path_errors(tiny_model, tmp_path):
     with pytest.raises(DataError, match="not a valid Jinja template"):
         read_chat_template(str(bad))
     with pytest.raises(DataError, match="holds no chat template"):
-        read_chat_template(str(_without_template(tiny_model, tmp_path)))
+        read_chat_template(str(without_chat_template(tiny_model, tmp_path)))
 
 
 # -- the CLI -----------------------------------------------------------------------------------------------------
