@@ -24,7 +24,7 @@ echo "pytest wall: $(( $(date +%s) - started )) s"
 
 if [ -s "$out/durations.tsv" ]; then
     echo "--- slowest tests (all in $out/durations.tsv) ---"
-    sort -rn "$out/durations.tsv" | head -25
+    sort -rn "$out/durations.tsv" | sed -n 1,25p  # (sed reads to the end: no SIGPIPE under pipefail)
     echo "--- seconds by test file ---"
     awk -F'\t' '{split($3, id, "::"); t[id[1]] += $1} END {for (f in t) printf "%8.1f  %s\n", t[f], f}' \
         "$out/durations.tsv" | sort -rn
