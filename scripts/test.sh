@@ -19,7 +19,11 @@ rm -f "$out"/durations.tsv "$out"/.coverage*
 export ALIGNFLOW_TEST_DURATIONS=$out/durations.tsv COVERAGE_FILE=$out/.coverage
 started=$(date +%s)
 status=0
-.venv/bin/python -m coverage run -m pytest -q -ra --junitxml="$out/junit.xml" "$@" || status=$?
+# Two workers (pytest-xdist): most tests wait on processes, servers and imports more than they compute, so
+# both cores stay busy; tests that share a module-scoped fixture run on one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs everything in this process.
+.venv/bin/python -m coverage run -m pytest -q -ra -n "${TEST_WORKERS:-2}" --dist loadgroup \
+    --junitxml="$out/junit.xml" "$@" || status=$?
 echo "pytest wall: $(( $(date +%s) - started )) s"
 
 if [ -s "$out/durations.tsv" ]; then

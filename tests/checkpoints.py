@@ -1,14 +1,66 @@
 """Session fixtures for tiny checkpoints that several test modules read (`tests/conftest.py` imports them;
 the one-label reward model, `reward_checkpoint`, lives with the reference runs in tests/references.py).
 
-Each is built once per session from the `tiny_model` fixture. They are read-only: a test that writes into
+Each is built once per test run from the `tiny_model` fixture (`build_once`: under `pytest -n N`, by the
+first worker that asks). They are read-only: a test that writes into
 one (a corrupted file, a planted pickle, a changed tokenizer) copies it into its own `tmp_path` first
 (`shutil.copytree(sft_checkpoint, tmp_path / "sft")`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
+
+
+def shared_folder(tmp_path_factory, name: str) -> Path:
+    """`name` in a session folder that every xdist worker of this run sees (the one basetemp of a serial run);
+    not created here."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-<n>/ holds each worker's basetemp (popen-gw0, ...)
+    return root / name
+
+
+class Lock:
+    """An exclusive lock on `path` (created if missing) for a `with` block, across processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.file = open(self.path, "w")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()  # (releases the lock)
+
+
+def build_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """`build(folder)` once per test run, in a shared folder: under `pytest -n N` the first worker to ask
+    builds while the others wait on a lock, then all read the same folder. A build that raised leaves no
+    `.done` marker, so the next request starts it again in a clean folder."""
+    folder = shared_folder(tmp_path_factory, name)
+    done = folder.with_name(f"{name}.done")
+    with Lock(folder.with_name(f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            done.touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama model + BPE tokenizer with a chat template (built offline, ~5 s)."""
+    from trainer.tiny import init_tiny
+
+    return str(build_once(tmp_path_factory, "tiny-model", init_tiny))
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +70,10 @@ def sft_checkpoint(tiny_model, tmp_path_factory) -> str:
     eval metrics. Returns the final model's folder."""
     from tests.helpers import tiny_sft
 
-    return tiny_sft(tiny_model, tmp_path_factory.mktemp("sft-checkpoint") / "sft", hub_model_id="someone/tiny-sft",
-                    eval_split_ratio=0.1)
+    def build(folder: Path) -> None:
+        tiny_sft(tiny_model, folder / "sft", hub_model_id="someone/tiny-sft", eval_split_ratio=0.1)
+
+    return str(build_once(tmp_path_factory, "sft-checkpoint", build) / "sft")
 
 
 @pytest.fixture(scope="session")
@@ -27,5 +81,5 @@ def sentiment_checkpoint(tiny_model, tmp_path_factory) -> str:
     """A two-label classifier (NEGATIVE, POSITIVE) on the tiny model, random head x5 (seed 0)."""
     from tests.helpers import classifier_checkpoint
 
-    return classifier_checkpoint(tiny_model, tmp_path_factory.mktemp("sentiment") / "sentiment",
-                                 ["NEGATIVE", "POSITIVE"], scale=5)
+    return str(build_once(tmp_path_factory, "sentiment", lambda folder: classifier_checkpoint(
+        tiny_model, folder, ["NEGATIVE", "POSITIVE"], scale=5)))

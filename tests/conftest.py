@@ -33,18 +33,10 @@ __all__ = ["basic_auth_mlflow", "dead_mlflow_uri", "mlflow_server", "restartable
 
 import pytest  # noqa: E402
 
-from tests.checkpoints import sentiment_checkpoint, sft_checkpoint  # noqa: E402, F401 (session fixtures)
+from tests.checkpoints import sentiment_checkpoint, sft_checkpoint, tiny_model  # noqa: E402, F401 (session fixtures)
 from tests.references import reference_run, reward_checkpoint, toy_prompts  # noqa: E402, F401 (session fixtures)
 
 HERE = Path(__file__).parent
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """A tiny random Llama model + BPE tokenizer with a chat template (built offline, ~5 s)."""
-    from trainer.tiny import init_tiny
-
-    return str(init_tiny(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture
@@ -63,7 +55,9 @@ def count_model_loads(monkeypatch):
     return loads
 
 
-_DURATIONS = os.environ.get("ALIGNFLOW_TEST_DURATIONS")  # scripts/test.sh: one line per test, as it ends
+# scripts/test.sh: one line per test, as it ends; written by the controller only under xdist (`-n 2`),
+# which hears every worker's reports.
+_DURATIONS = None if os.environ.get("PYTEST_XDIST_WORKER") else os.environ.get("ALIGNFLOW_TEST_DURATIONS")
 _timings: dict[str, tuple[float, str]] = {}
 
 
@@ -96,3 +90,15 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
         if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(skip)
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether `item` uses a module- (or class-) scoped fixture: under `pytest -n 2 --dist loadgroup`
+    (scripts/test.sh) all tests of such a module run on one worker, which builds the fixture (a vLLM engine,
+    a server, a trained model) once, as a serial run does; every other test goes to whichever worker is free."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    return fixtures is not None and any(
+        definition.scope in ("module", "class", "package")
+        for definitions in fixtures.name2fixturedefs.values() for definition in definitions)

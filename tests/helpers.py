@@ -229,11 +229,16 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float, env: dict) -> None:
+def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: float, env: dict) -> None:
     """Run `command` (from the repository root, in a process group of its own) and SIGKILL the whole
-    group as soon as `checkpoint` is complete, while it trains on; fails if it ends first or never gets there."""
+    group as soon as `checkpoint` (a folder, or an s3:// prefix) is complete, while it trains on; fails if
+    it ends first or never gets there."""
     import signal
     import time
+
+    from trainer import storage
+
+    poll = 0.1 if storage.is_remote(str(checkpoint)) else 0.005  # (a request per look at a bucket)
 
     proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -242,7 +247,7 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float, 
         while not ckpt.is_complete(str(checkpoint)):
             assert proc.poll() is None, "training finished before it could be killed"
             assert time.monotonic() < deadline, f"no complete {checkpoint} within {timeout:.0f} s"
-            time.sleep(0.005)
+            time.sleep(poll)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -15,17 +15,20 @@ Registered in tests/conftest.py; tests import the argument builders from here, n
 
 from __future__ import annotations
 
+import hashlib
+import json
 import stat
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.checkpoints import build_once
 from tests.helpers import classifier_checkpoint, prompts_file, train_cli
 
 
-def _fingerprint(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+def _fingerprint(folder: Path) -> dict[str, list[int]]:
+    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns]
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
@@ -36,28 +39,33 @@ def _make_read_only(folder: Path) -> None:
 
 class ReferenceRuns:
     """`reference_run(stage, *args) -> Path`: the output folder of `alignflow train STAGE ARGS --output_dir
-    <a session folder>`, trained on the first request for (stage, args); `seconds[folder]`: its wall time."""
+    <a session folder>`, trained on the first request for (stage, args); `seconds[folder]`: its wall time.
+    Under `pytest -n N` the workers share it (`tests.checkpoints.build_once`)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, tmp_path_factory) -> None:
+        self.tmp_path_factory = tmp_path_factory
         self.made: dict[tuple[str, ...], Path] = {}
         self.seconds: dict[Path, float] = {}
-        self._fingerprints: dict[Path, dict[str, tuple[int, int]]] = {}
-        self._count = 0
+        self._fingerprints: dict[Path, dict[str, list[int]]] = {}
 
     def __call__(self, stage: str, *args: str) -> Path:
         key = (stage, *args)
         if key not in self.made:
-            self._count += 1  # (a run that failed leaves its folder behind: a retry starts in a new one)
-            out = self.root / f"{stage}-{self._count}"
-            started = time.monotonic()
-            train_cli(stage, *args, "--output_dir", str(out))
-            self.seconds[out] = time.monotonic() - started
-            _make_read_only(out)
-            self._fingerprints[out] = _fingerprint(out)
+            name = f"reference-{stage}-{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
+            out = build_once(self.tmp_path_factory, name, lambda out: self._train(out, stage, *args))
+            recorded = json.loads(out.with_suffix(".json").read_text())
+            self.seconds[out], self._fingerprints[out] = recorded["seconds"], recorded["files"]
             self.made[key] = out
         self.check(self.made[key])
         return self.made[key]
+
+    @staticmethod
+    def _train(out: Path, stage: str, *args: str) -> None:
+        started = time.monotonic()
+        train_cli(stage, *args, "--output_dir", str(out))
+        seconds = time.monotonic() - started
+        _make_read_only(out)
+        out.with_suffix(".json").write_text(json.dumps({"seconds": seconds, "files": _fingerprint(out)}))
 
     def check(self, out: Path) -> None:
         assert _fingerprint(out) == self._fingerprints[out], f"a test wrote into the reference run {out}"
@@ -65,7 +73,7 @@ class ReferenceRuns:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
-    runs = ReferenceRuns(tmp_path_factory.mktemp("references"))
+    runs = ReferenceRuns(tmp_path_factory)
     yield runs
     for out in runs.made.values():
         runs.check(out)
@@ -74,19 +82,17 @@ def reference_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def toy_prompts(tmp_path_factory):
     """`toy_prompts(n) -> str`: a prompts file of the GRPO/PPO toy task (tests.helpers.prompts_file), one per n."""
-    folder = tmp_path_factory.mktemp("toy-prompts")
+    def build(folder: Path, n: int) -> None:
+        folder.mkdir()
+        prompts_file(folder / "prompts.jsonl", n=n)
 
-    def get(n: int) -> str:
-        path = folder / f"prompts-{n}.jsonl"
-        return str(path) if path.exists() else prompts_file(path, n=n)
-
-    return get
+    return lambda n: str(build_once(tmp_path_factory, f"toy-prompts-{n}", lambda f: build(f, n)) / "prompts.jsonl")
 
 
 @pytest.fixture(scope="session")
 def reward_checkpoint(tiny_model, tmp_path_factory) -> str:
     """The tiny model as a one-label reward model, its random head scaled by 5: PPO's critic network starts here."""
-    return classifier_checkpoint(tiny_model, tmp_path_factory.mktemp("reward-model") / "rm", scale=5)
+    return str(build_once(tmp_path_factory, "reward-model", lambda folder: classifier_checkpoint(tiny_model, folder, scale=5)))
 
 
 def ppo_args(model: str, critic: str, prompts: str, critic_model: str, per_rank: int) -> tuple[str, ...]:

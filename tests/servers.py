@@ -273,7 +273,8 @@ class MlflowServer:
         self.log = root / "server.log"
 
     def start(self) -> None:
-        env = {**os.environ, **self.s3.env(), "OMP_WAIT_POLICY": "PASSIVE"}
+        # No job runner: alignflow uses none of MLflow's server jobs, and its idle consumers poll (the chart's setting).
+        env = {**os.environ, **self.s3.env(), "OMP_WAIT_POLICY": "PASSIVE", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         env.pop("MLFLOW_TRACKING_URI", None)
         cmd = [sys.executable, "-m", "mlflow", "server",
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",

@@ -51,6 +51,7 @@ def _chart_server(root: Path):
     secret = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "rel-alignflow-mlflow-auth")
     creds = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AWS_"))}
+    env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})  # the chart's literal settings
     env.update(creds, HOME=str(root), OMP_WAIT_POLICY="PASSIVE",
                PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]),
                BACKEND_STORE_URI=f"sqlite:///{root / 'mlflow.db'}",

@@ -1,8 +1,8 @@
 """The whole post-training DAG with kfp.local: outputs mirrored to a real SeaweedFS bucket, every
 stage in a real MLflow server, the winner registered as @champion (GRPO, then PPO); a failing gate
 (DPO) leaves the champion alone; rollback restores the previous champion; the cache re-trains only what
-new data reaches. A killed SFT task is retried and resumes from its checkpoint in the bucket; a bad
-parameter fails the first task; `gpus_per_node` starts ranks inside a task."""
+new data reaches, there with `gpus_per_node: 2` starting ranks inside the SFT and DPO tasks. A killed SFT
+task is retried and resumes from its checkpoint in the bucket; a bad parameter fails the first task."""
 
 import json
 import os
@@ -128,16 +128,27 @@ def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_e
     assert any(o.endswith("ppo/model/alignflow.complete") for o in objects)
 
     # New SFT data at the same URI (a recurring run on fresh data) re-trains the stages that read it, and
-    # only those: SFT and the DPO after it, not the reward model. An impossible gate: the DPO candidate is
-    # evaluated but nothing is registered and the champion stays; rollback gives the crown back.
+    # only those: SFT and the DPO after it, not the reward model. Both train on 2 ranks inside their task
+    # (`gpus_per_node: 2`: CPU ranks over gloo, DPO's under DeepSpeed ZeRO-2), at the same global batch. An
+    # impossible gate: the DPO candidate is evaluated but nothing is registered and the champion stays;
+    # rollback gives the crown back.
     with data.open("a") as fh:
         fh.write(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1? End with #### and the number."}],
                              "completion": [{"role": "assistant", "content": "1 + 1 = 2\n#### 2"}]}) + "\n")
+    ranks = {"gpus_per_node": 2, "mixed_precision": "no"}
     third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, datasets=datasets, algorithm="dpo",
-                         min_improvement=1e6)
+                         min_improvement=1e6,
+                         sft={**FAST["sft"], "per_device_batch_size": 8, **ranks, "deepspeed": "none"},
+                         dpo={**FAST["dpo"], "per_device_batch_size": 4, **ranks, "deepspeed": "zero2"})
     assert third.returncode == 0, third.stderr[-3000:]
     executed, hits = tasks(third)
     assert hits == {"reward-model"} and {"sft", "dpo", "check-inputs"} <= executed, (executed, hits)
+    logs = "".join((tmp_path / "out/logs" / f"{task}.log").read_text() for task in ("sft", "dpo"))
+    assert "sft: cpu, 2 processes (MULTI_CPU)" in logs and "dpo: cpu, 2 processes (DEEPSPEED)" in logs, logs[-4000:]
+    fs = storage.filesystem(root)
+    for stage, zero in (("sft", None), ("dpo", 2)):
+        manifests = [json.loads(fs.cat(o)) for o in fs.find(root) if o.endswith(f"/{stage}/model/alignflow.json")]
+        assert [(m["world_size"], m["zero_stage"]) for m in manifests if m["world_size"] > 1] == [(2, zero)], manifests
     assert client.get_registered_model("pipeline-test").aliases == {"champion": "2", "previous-champion": "1"}
     assert len(client.search_model_versions("name='pipeline-test'")) == 2
     rollback = subprocess.run([sys.executable, "-m", "trainer.cli", "promote", "--rollback", "pipeline-test"],
@@ -182,7 +193,7 @@ def test_a_killed_sft_task_is_retried_and_resumes_from_its_checkpoint_in_s3(tiny
     root = f"s3://{s3_env.bucket}/retry/{os.getpid()}"
     env = {**os.environ, **s3_env.env(), "MLFLOW_TRACKING_URI": mlflow_server, "OMP_WAIT_POLICY": "PASSIVE",
            "PYTHONUNBUFFERED": "1"}
-    steps = 30
+    steps = 12  # killed at the first checkpoint (step 3 or a little later); the retry trains the rest
     config = tmp_path / "retry.yaml"
     config.write_text(yaml.safe_dump({
         **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True, "model_name": "retry-test",
@@ -261,26 +272,3 @@ def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp
     assert executed[0] == "check-inputs" and not {"sft", "reward-model", "start-run"} & set(executed), executed
     assert "Task 'check-inputs' finished with status FAILURE" in log
     assert seconds < 120, f"took {seconds:.0f}s"
-
-
-def test_gpus_per_node_runs_ranks_inside_the_task(tiny_model, tmp_path):
-    """`gpus_per_node: 2` in a stage's section: the task starts 2 ranks in its pod (here 2 CPU ranks over
-    gloo, the DPO ones under DeepSpeed ZeRO-2); their logs say so and the models record `world_size: 2`."""
-    config = tmp_path / "ranks.yaml"
-    ranks = {"gpus_per_node": 2, "mixed_precision": "no"}
-    config.write_text(yaml.safe_dump({
-        **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True,
-        "sft": {**FAST["sft"], "max_steps": 4, "per_device_batch_size": 8, **ranks, "deepspeed": "none"},
-        "dpo": {**FAST["dpo"], "max_steps": 2, "per_device_batch_size": 4, **ranks, "deepspeed": "zero2"},
-        "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
-                             str(config), "--output", str(out)], env=env, capture_output=True, text=True, timeout=900)
-    log = _plain(result.stdout + result.stderr + "".join(p.read_text() for p in (out / "logs").glob("*.log")))
-    assert result.returncode == 0, log[-4000:]
-    assert "sft: cpu, 2 processes (MULTI_CPU)" in log and "dpo: cpu, 2 processes (DEEPSPEED)" in log, log[-4000:]
-    for stage, zero in (("sft", None), ("dpo", 2)):
-        (manifest,) = [json.loads(p.read_text()) for p in out.rglob(f"{stage}/model/alignflow.json")]
-        assert (manifest["world_size"], manifest["zero_stage"]) == (2, zero)

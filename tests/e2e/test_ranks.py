@@ -10,7 +10,8 @@ Placement, sharding and the global-batch contract belong to the runner (trainer/
 trainer/distributed.py), not to a stage, so every parallel mode, full and LoRA, is compared on one
 stage (SFT), and each other stage runs the one mode that reaches its own code (see CASES). A two-rank
 run killed with SIGKILL after a step checkpoint resumes (`resume_from_checkpoint auto`) to the weights
-of the uninterrupted two-rank SFT run of the comparison. PPO under ZeRO (issue 14) is compared the
+of the uninterrupted two-rank SFT run of the comparison: under DDP from a local folder, under ZeRO-3
+from its per-rank shards in SeaweedFS. PPO under ZeRO (issue 14) is compared the
 same way, with its value function: the value head, and the critic network (PPO on plain DDP, both
 critics: tests/e2e/test_ppo_ranks.py, against the same one-process runs). The `zero3_offload` preset
 (optimizer state and step on the CPU) is compared once, for SFT.
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,22 +157,33 @@ def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, toy_prompt
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, tiny_model, toy_prompts, reference_run,
+def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, request, tiny_model, toy_prompts, reference_run,
                                                                  tmp_path):
     """The uninterrupted run is test_two_ranks_match_one's two-rank SFT run; this one saves every 2 steps and
-    is killed as soon as checkpoint-2 is complete, 4 steps, the final evaluation and the save before its end."""
+    is killed as soon as checkpoint-2 is complete, 4 steps, the final evaluation and the save before its end.
+    Under ZeRO-3 its output is in SeaweedFS: each rank uploads its own optimizer shard into the step checkpoint
+    before rank 0 marks it complete, and `auto` finds and resumes from that s3:// checkpoint."""
+    from trainer import storage
+
     args = run_args("sft", tiny_model, toy_prompts, False, mode)
-    straight, killed = reference_run("sft", *args), tmp_path / "killed"
+    straight, killed, env = reference_run("sft", *args), str(tmp_path / "killed"), {}
+    if mode == "zero3":
+        s3_env = request.getfixturevalue("s3_env")
+        killed, env = f"s3://{s3_env.bucket}/ranks-{tmp_path.name}/killed", s3_env.env()
     args = (*args, "--save_steps", "2")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    kill_after_checkpoint([sys.executable, "-m", "trainer.cli", "train", "sft", *args, "--output_dir", str(killed)],
-                          killed / "checkpoint-2", 600, env)
-    assert not ckpt.is_complete(str(killed)), "the killed run must not have finished"
-    resumed = train_cli("sft", *args, "--output_dir", str(killed), "--resume_from_checkpoint", "auto")
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    full_env.pop("MLFLOW_TRACKING_URI", None)
+    kill_after_checkpoint([sys.executable, "-m", "trainer.cli", "train", "sft", *args, "--output_dir", killed],
+                          f"{killed}/checkpoint-2", 600, full_env)
+    assert not ckpt.is_complete(killed), "the killed run must not have finished"
+    if mode == "zero3":
+        shards = storage.filesystem(killed).find(f"{killed}/checkpoint-2/deepspeed")
+        assert sum("optim_states" in p for p in shards) == 2, shards  # one optimizer shard per rank
+    resumed = train_cli("sft", *args, "--output_dir", killed, "--resume_from_checkpoint", "auto", env=env)
     assert "Resuming from" in resumed.stderr + resumed.stdout
-    assert max_difference(weights(killed), weights(straight)) < 1e-6
-    assert [r["step"] for r in history(killed) if "loss" in r][-1] == STEPS
+    local = storage.fetch_to_local(killed, tmp_path / "resumed") if mode == "zero3" else Path(killed)
+    assert max_difference(weights(local), weights(straight)) < 1e-6
+    assert [r["step"] for r in history(local) if "loss" in r][-1] == STEPS
 
 
 def test_gpu_check_dry_run_writes_its_summary(tmp_path):
@@ -187,32 +200,12 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     assert {r["world_size"] for r in rows.values()} == {1, 2} and rows["sft", "2 ranks, ZeRO-3"]["zero_stage"] == 3
 
 
-def test_deepspeed_shards_go_to_s3_and_resume_from_there(tiny_model, s3_env, tmp_path):
-    """ZeRO-2 on two ranks with `output_dir` in SeaweedFS: each rank uploads its optimizer shard into
-    the step checkpoint before rank 0 marks it complete, and a run resumed from that s3:// checkpoint
-    ends with the weights of the uninterrupted run."""
-    from trainer import storage
-
-    bucket = f"s3://{s3_env.bucket}/ranks-{tmp_path.name}"
-    args = ("--model", tiny_model, *COMMON[:-2], "--save_steps", "3", "--dataset", str(DEMO_DATA / "sft.jsonl"),
-            "--num_sample_completions", "0", "--per_device_batch_size", "2", "--num_processes", "2",
-            "--deepspeed", "zero2")
-    env = s3_env.env()
-    train_cli("sft", *args, "--output_dir", f"{bucket}/straight", env=env)
-    shards = [p for p in storage.filesystem(bucket).find(f"{bucket}/straight/checkpoint-3/deepspeed")]
-    assert sum("optim_states" in p for p in shards) == 2, shards  # one optimizer shard per rank
-    assert ckpt.is_complete(f"{bucket}/straight/checkpoint-3")
-    train_cli("sft", *args, "--output_dir", f"{bucket}/resumed", "--resume_from_checkpoint",
-              f"{bucket}/straight/checkpoint-3", env=env)
-    local = {name: storage.fetch_to_local(f"{bucket}/{name}", tmp_path / name) for name in ("straight", "resumed")}
-    assert max_difference(weights(local["resumed"]), weights(local["straight"])) < 1e-6
-
-
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_precomputed_reference_log_probs_are_computed_in_shares(mode, tiny_model, toy_prompts, reference_run,
-                                                               tmp_path):
+def test_precomputed_reference_log_probs_are_computed_in_shares(tiny_model, toy_prompts, reference_run, tmp_path):
     """DPO's reference log-probs precomputed by two ranks (each scores its share, then they are gathered)
-    train to the weights one rank gets, and the checkpointed scores are the same numbers."""
+    train to the weights one rank gets, and the checkpointed scores are the same numbers. Under ZeRO-3, where
+    the reference scoring its share is a sharded DeepSpeed inference engine: the sharing itself is the same
+    code under DDP."""
+    mode = "zero3"
     args = ("--model", tiny_model, *COMMON[:-2], "--save_steps", "5", "--precompute_ref_log_probs", "true",
             *stage_args("dpo", toy_prompts))
     one, two = reference_run("dpo", *args, "--per_device_batch_size", "4"), tmp_path / "two"
