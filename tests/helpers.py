@@ -7,6 +7,7 @@ module stays cheap for the tests that use none of them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -229,10 +230,28 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from Linux's /proc), also those in sessions of their own: torchrun starts each
+    rank with `start_new_session`, so killing the launcher's process group leaves the ranks running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: float, env: dict) -> None:
     """Run `command` (from the repository root, in a process group of its own) and SIGKILL the whole
-    group as soon as `checkpoint` (a folder, or an s3:// prefix) is complete, while it trains on; fails if
-    it ends first or never gets there."""
+    group, and every process below it (ranks), as soon as `checkpoint` (a folder, or an s3:// prefix) is
+    complete, while it trains on; fails if it ends first or never gets there."""
     import signal
     import time
 
@@ -249,7 +268,11 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: f
             assert time.monotonic() < deadline, f"no complete {checkpoint} within {timeout:.0f} s"
             time.sleep(poll)
     finally:
+        below = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in below:  # the ranks, which would otherwise finish the run after the "kill"
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
 
 

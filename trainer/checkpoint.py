@@ -13,9 +13,9 @@ Layout of one checkpoint folder::
 
 Resuming verifies a checkpoint against its marker (`verify_checkpoint`): `auto` passes over a
 corrupt one (a truncated or rewritten file) to the previous complete checkpoint with a warning,
-and an explicit path that fails is an error. `auto` also recognises a finished run
-(`finished_run`) and refuses to continue a run whose data or optimisation settings changed
-(`check_same_run`); docs/reliability.md gives the rules.
+and an explicit path that fails is an error. Whether the checkpoint belongs to the same run is decided
+by its manifest's run identity (`trainer.identity`, checked in `StageRunner.resume_checkpoint`);
+docs/reliability.md gives the rules.
 
 Step checkpoints live in ``<output_dir>/checkpoint-<step>``; the final model is written to
 ``<output_dir>`` itself. Remote destinations are written to a local staging folder first, then
@@ -328,10 +328,10 @@ def _verified_copy(uri: str, fetch: bool) -> tuple[str | None, list[str]]:
     return (None if problems else local), problems
 
 
-def resolve_resume(resume: str | None, output_dir: str, fetch: bool = False) -> str | None:
-    """The checkpoint to resume from, verified against its marker: an explicit path, the newest intact
-    one for `auto` (a corrupt newer one is passed over with a warning), or None. With `fetch` a remote
-    checkpoint is returned as its local copy."""
+def find_resume(resume: str | None, output_dir: str, fetch: bool = False) -> tuple[str, str] | None:
+    """The checkpoint to resume from as (its URI, the copy to read), verified against its marker: an explicit
+    path, the newest intact one for `auto` (a corrupt newer one is passed over with a warning), or None. With
+    `fetch` a remote checkpoint is read from a local copy. A final model (no training state) is refused."""
     if not resume:
         return None
     if resume == "auto":
@@ -339,7 +339,7 @@ def resolve_resume(resume: str | None, output_dir: str, fetch: bool = False) -> 
             chosen, problems = _verified_copy(uri, fetch)
             if chosen:
                 log.info("Resuming from %s (newest intact checkpoint).", uri)
-                return chosen
+                return uri, chosen
             log.warning("Checkpoint %s is corrupt (%s); passing over it to the previous complete checkpoint.",
                         uri, "; ".join(problems[:3]))
         log.info("No intact complete checkpoint in %s; starting from scratch.", output_dir)
@@ -349,67 +349,31 @@ def resolve_resume(resume: str | None, output_dir: str, fetch: bool = False) -> 
     if not is_complete(resume):
         raise CheckpointError(f"resume_from_checkpoint={resume!r} is incomplete (no {COMPLETE_MARKER}); "
                               "pick a complete checkpoint or `auto`.")
+    if not storage.exists(storage.join(resume, STATE_DIR, "state.json")):
+        steps = list_checkpoints(resume)
+        inside = f" ({steps[-1][1]} is the newest step checkpoint in it)" if steps else ""
+        raise CheckpointError(
+            f"resume_from_checkpoint={resume!r} is a final model, not a step checkpoint: it holds no training state "
+            f"to continue{inside}. To resume its run give one of its checkpoint-<step> folders or `auto`; to train "
+            f"further from its weights start a new run with `--model {resume}` and no `resume_from_checkpoint`.")
     chosen, problems = _verified_copy(resume, fetch)
     if not chosen:
         raise CheckpointError(f"resume_from_checkpoint={resume!r} is corrupt: {'; '.join(problems[:3])}. Resume from "
                               "an earlier checkpoint, or use `auto`, which picks the newest intact one.")
-    return chosen
+    return resume, chosen
 
 
-# Settings that make a checkpoint's run a different run, with the training data's fingerprint: `auto`
-# refuses to continue it (an explicit path continues with a warning). `max_steps` / `num_epochs`
-# only lengthen or shorten the same run.
-SAME_RUN_SETTINGS = ("learning_rate", "per_device_batch_size", "gradient_accumulation_steps")
-LENGTH_SETTINGS = ("max_steps", "num_epochs")
+def resolve_resume(resume: str | None, output_dir: str, fetch: bool = False) -> str | None:
+    """`find_resume`'s copy to read, or None."""
+    found = find_resume(resume, output_dir, fetch)
+    return found[1] if found else None
 
 
-def _changes(saved: dict[str, Any], config: Any, names: tuple[str, ...]) -> list[str]:
-    return [f"{name} {saved[name]!r} -> {getattr(config, name)!r}" for name in names
-            if name in saved and hasattr(config, name) and saved[name] != getattr(config, name)]
-
-
-def _data_change(manifest: dict[str, Any], datasets: dict[str, dict]) -> list[str]:
-    before = str(manifest.get("datasets", {}).get("train", {}).get("fingerprint") or "")
-    after = str(datasets.get("train", {}).get("fingerprint") or "")
-    # Older manifests hold datasets' cache fingerprint, which changes with every download: not comparable.
-    comparable = before.startswith("sha256-") and after.startswith("sha256-")
-    return [f"training data fingerprint {before} -> {after}"] if comparable and before != after else []
-
-
-def finished_run(output_dir: str, config: Any, datasets: dict[str, dict]) -> str | None:
-    """When `output_dir` holds the complete final model of this same run (same training data, optimisation
-    and length settings), a message saying so; else None."""
+def finished_model(output_dir: str) -> dict[str, Any] | None:
+    """The manifest of the complete, intact final model in `output_dir`, or None."""
     if not is_complete(output_dir) or verify_checkpoint(output_dir, hashes=False):
         return None
-    manifest = read_json(storage.join(output_dir, MANIFEST))
-    if (_changes(manifest.get("config", {}), config, SAME_RUN_SETTINGS + LENGTH_SETTINGS)
-            or _data_change(manifest, datasets)):
-        return None
-    return (f"{output_dir} already holds this run's finished model (step {manifest.get('step')}, saved "
-            f"{manifest.get('created', '?')}); nothing to train. To train again, use a new `output_dir`, or "
-            "leave out `resume_from_checkpoint` to start over and replace it.")
-
-
-def check_same_run(ckpt_local: str, config: Any, auto: bool, datasets: dict[str, dict] | None = None) -> None:
-    """Compare the run being resumed (its manifest) with this one: the settings of `SAME_RUN_SETTINGS`
-    (or, given `datasets`, the training data's fingerprint). A difference stops `auto` with an error and
-    is a warning for an explicit checkpoint path; a changed length (`max_steps`) is a warning."""
-    manifest = json.loads(Path(ckpt_local, MANIFEST).read_text())
-    if datasets is None:
-        changed = _changes(manifest.get("config", {}), config, SAME_RUN_SETTINGS)
-        for change in _changes(manifest.get("config", {}), config, LENGTH_SETTINGS):
-            log.warning("RESUMING WITH A NEW LENGTH: %s (the checkpoint was saved at step %s).", change,
-                        manifest.get("step"))
-    else:
-        changed = _data_change(manifest, datasets)
-    if not changed:
-        return
-    if auto:
-        raise CheckpointError(
-            f"resume_from_checkpoint=auto: the checkpoint in {config.output_dir} is from a different run ("
-            f"{'; '.join(changed)}). Use a new `output_dir` for the new run, or pass the checkpoint's path as "
-            "`resume_from_checkpoint` to continue it with the new settings on purpose.")
-    log.warning("RESUMING A CHANGED RUN from %s: %s.", ckpt_local, "; ".join(changed))
+    return read_json(storage.join(output_dir, MANIFEST))
 
 
 def read_json(uri: str) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import math
 import os
 import re
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +44,44 @@ DEEPSPEED_PRESETS = ("zero2", "zero3", "zero3_offload")
 
 class ConfigError(ValueError):
     """A config value is wrong; the message says which field and how to fix it."""
+
+
+# Fields (of any stage) that name something the run reads; `output_dir` must stay apart from them all.
+INPUT_FIELDS = ("model", "dataset", "eval_dataset", "chat_template_path", "ref_model", "critic_model", "reward_funcs")
+
+
+def _overlap(output_dir: str, path: str) -> str | None:
+    """How `output_dir` meets an input `path`: "is", "lies inside" or "contains"; None when apart. s3:// (any
+    remote URI) compares as a string prefix; a local input counts only when it exists (else it is a hub id, a
+    built-in name or an import path), compared with symlinks resolved."""
+    remote = "://" in output_dir, "://" in path
+    if remote[0] != remote[1]:
+        return None
+    if remote[0]:
+        out, inp = output_dir.rstrip("/"), path.rstrip("/")
+    else:
+        inp = os.path.expanduser(path)
+        if not os.path.exists(inp):
+            return None
+        out, inp = os.path.realpath(os.path.expanduser(output_dir)), os.path.realpath(inp)
+    if out == inp:
+        return "is"
+    if out.startswith(inp.rstrip("/") + "/"):
+        return "lies inside"
+    if inp.startswith(out.rstrip("/") + "/"):
+        return "contains"
+    return None
+
+
+def check_output_apart(output_dir: str, inputs: list[tuple[str, str]]) -> None:
+    """Refuse an `output_dir` that is, lies inside or contains one of the run's inputs: saving would write
+    over it (an `output_dir` equal to `model` used to replace the base model's weights)."""
+    for name, path in inputs:
+        how = _overlap(output_dir, path)
+        if how:
+            raise ConfigError(f"`output_dir` {output_dir!r} {how} the `{name}` input {path!r}: the run would write "
+                              "into what it reads (checkpoints, the final model and pruning all write there). Give "
+                              "`output_dir` a folder (or s3:// prefix) of its own, outside every input.")
 
 
 @dataclass
@@ -121,7 +161,13 @@ class TrainConfig:
     logging_steps: int = option(10, "Log metrics every this many steps.")
     eval_steps: int = option(0, "Evaluate every this many steps (0 = only at the end).")
     resume_from_checkpoint: str | None = option(
-        None, "A checkpoint folder to resume from, or `auto` for the newest complete checkpoint in `output_dir`.")
+        None, "A step checkpoint folder to resume from, or `auto` for the newest complete checkpoint in `output_dir`. "
+              "Only the same run continues: a checkpoint whose stage, base model, training data, seed, LoRA "
+              "settings or other result-changing options differ is refused (docs/reliability.md).")
+    resume_allow_changes: bool = option(
+        False, "Continue a checkpoint's run although its identity differs (a new seed, learning rate, base model, "
+               "data ...): on purpose, with a warning; alignflow.json records each change (`resume_changes`) and "
+               "`resumed_from`. Another stage's checkpoint is refused even so.")
     disable_progress_bar: bool = option(False, "Hide the progress bar (it also hides when stderr is not a terminal).",
                                         aliases=("disable_tqdm",))
 
@@ -207,6 +253,25 @@ class TrainConfig:
         for tag in self.mlflow_tags:
             if "=" not in tag:
                 raise ConfigError(f"`mlflow_tags` entries look like KEY=VALUE; got {tag!r}.")
+        if self.resume_allow_changes and not self.resume_from_checkpoint:
+            raise ConfigError("`resume_allow_changes` applies to a resumed run: set `resume_from_checkpoint` (a "
+                              "checkpoint folder or `auto`), or drop `resume_allow_changes`.")
+        check_output_apart(self.output_dir, self.input_paths())
+
+    def input_paths(self) -> list[tuple[str, str]]:
+        """(field, path) of everything the run reads: models, data, chat template, reward-model folders."""
+        from trainer.data import parse_mixture
+
+        found = []
+        for name in INPUT_FIELDS:
+            value = getattr(self, name, None)
+            found += [(name, v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str) and v]
+        for i, part in enumerate(parse_mixture(self.dataset_mixture) if self.dataset_mixture else []):
+            files = part.data_files
+            files = list(files.values()) if isinstance(files, dict) else [files] if isinstance(files, str) else files
+            found += [(f"dataset_mixture[{i}]", v) for v in [part.path, part.data_dir, *(files or [])]
+                      if isinstance(v, str) and v]
+        return found
 
     @property
     def tracking_uri(self) -> str | None:
@@ -318,12 +383,29 @@ def _trl_value(name: str, value: Any) -> Any:
     return value
 
 
-def _value_argv(key: str, value: Any, source: str) -> list[str]:
+def expected_type(cls: type, name: str) -> str:
+    """What field `name` of `cls` takes, in words (for errors): a number, a whole number, one of ..., a list ..."""
+    kind = typing.get_type_hints(cls).get(name)
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
+        kind = args[0]  # X | None
+    if typing.get_origin(kind) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(kind)))
+    if typing.get_origin(kind) is list:
+        return "a list"
+    return {float: "a number", int: "a whole number", bool: "true or false", str: "a single string"}.get(
+        kind, "a single value")
+
+
+def _value_argv(key: str, value: Any, source: str, cls: type | None = None) -> list[str]:
     """`--key value...` tokens for one override (None and empty lists give none: they are the defaults)."""
     if value is None:
         return []  # argparse cannot express None; None is every Optional field's default
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         return [f"--{key}", json.dumps(value)]  # a list of mappings (`dataset_mixture`) travels as JSON
+    if isinstance(value, list) and cls is not None and expected_type(cls, key) != "a list":
+        raise ConfigError(f"`{key}` in {source} is a list ({value!r}); it takes {expected_type(cls, key)}. Give a "
+                          "single value.")
     if isinstance(value, list):
         if not value:
             return []
@@ -359,7 +441,7 @@ def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str, flag_trl: d
     # TRL's `use_peft: false` means full fine-tuning even when the file also sets `lora_r`.
     forced = {"lora_r"} if trl.get("use_peft") is False or trl.get("use_peft") == 0 else set()
     resolved |= {k: v for k, v in translated.items() if k not in resolved or k in forced}
-    return [token for key, value in resolved.items() for token in _value_argv(key, value, source)]
+    return [token for key, value in resolved.items() for token in _value_argv(key, value, source, cls)]
 
 
 def _flags(cls: type, argv: list[str]) -> tuple[list[str], dict[str, Any]]:
@@ -396,12 +478,46 @@ def _flags(cls: type, argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     return out, trl
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping in a YAML document names a key twice (PyYAML would keep the last value silently)."""
+
+    def __init__(self, key: Any, first: int, again: int) -> None:
+        super().__init__(f"`{key}` is set twice, on line {first} and again on line {again}; keep one")
+        self.key, self.first, self.again = key, first, again
+
+
+class StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses duplicate keys (a config with `learning_rate` twice trained with the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: construct_mapping reports it
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def strict_yaml(text) -> Any:
+    """`yaml.safe_load` that raises `DuplicateKeyError` for a key given twice in one mapping."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+            data = strict_yaml(fh) or {}
     except FileNotFoundError:
         raise ConfigError(f"Config file {path!r} does not exist.") from None
+    except DuplicateKeyError as err:
+        raise ConfigError(f"Config file {path!r}: {err}.") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"Config file {path!r} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
@@ -439,10 +555,26 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
     # Flags after the YAML ones win (argparse keeps the last value).
     namespace, remaining = parser.parse_known_args(yaml_argv + argv)
     if remaining:
+        if not remaining[0].startswith("-"):  # a value without a flag of its own: one too many for the flag before it
+            flag = _flag_before(argv, remaining[0])
+            if flag in field_names(cls):
+                raise ConfigError(f"`--{flag}` takes {expected_type(cls, flag)}; it was given more than one value "
+                                  f"(`{remaining[0]}` is left over). Give one value.")
         flag = next((r for r in remaining if r.startswith("--")), remaining[0])
         raise _unknown_field_error(cls, flag.lstrip("-").split("=")[0], "on the command line")
     values = {k: v for k, v in vars(namespace).items() if k != "config"}
     return cls(**values)
+
+
+def _flag_before(argv: list[str], value: str) -> str | None:
+    """The field of the flag that `value` follows in `argv` (the last occurrence), or None."""
+    flag = found = None
+    for token in argv:
+        if token.startswith("--"):
+            flag = token[2:].split("=")[0].replace("-", "_")
+        elif token == value:
+            found = flag
+    return found
 
 
 def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:

@@ -439,11 +439,22 @@ def dataset_fingerprint(ds: datasets.Dataset) -> str:
 
     The same rows give the same fingerprint wherever and whenever they were loaded from (datasets' own
     `_fingerprint` changes with the cache file's path and time, e.g. on every download from s3://), so
-    `resume_from_checkpoint auto` can tell the same run's data from new data. About 1 s per 100k short rows."""
+    `resume_from_checkpoint auto` can tell the same run's data from new data. About 1 s per 100k short rows;
+    computed once per dataset object (the run identity needs it before the manifest does)."""
+    key = (id(ds), getattr(ds, "_fingerprint", None))  # datasets' own: fixed for one object
+    if key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
     digest = hashlib.sha256(json.dumps(list(ds.column_names)).encode())
     for batch in ds.iter(batch_size=1000):
         digest.update(json.dumps(batch, sort_keys=True, default=str, ensure_ascii=False).encode())
-    return FINGERPRINT_PREFIX + digest.hexdigest()[:16]
+    fingerprint = FINGERPRINT_PREFIX + digest.hexdigest()[:16]
+    if len(_FINGERPRINTS) >= 8:
+        _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
+    _FINGERPRINTS[key] = fingerprint
+    return fingerprint
+
+
+_FINGERPRINTS: dict[tuple[int, str | None], str] = {}
 
 
 def load_train_eval(config) -> tuple[datasets.Dataset, datasets.Dataset | None]:
@@ -517,10 +528,12 @@ def parse_mixture(text: str) -> list[MixturePart]:
     """The entries of a `dataset_mixture` (YAML or JSON text of a list, or of a mapping with `datasets:`)."""
     import yaml
 
-    from trainer.config import ConfigError
+    from trainer.config import ConfigError, DuplicateKeyError, strict_yaml
 
     try:
-        entries = yaml.safe_load(text)
+        entries = strict_yaml(text)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"`dataset_mixture`: {err}.") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"`dataset_mixture` is not valid YAML/JSON: {err}") from None
     if isinstance(entries, dict) and "datasets" in entries:
@@ -540,8 +553,9 @@ def parse_mixture(text: str) -> list[MixturePart]:
         part = MixturePart(**entry)
         fraction = part.fraction
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float)
-                                     or fraction <= 0):
-            raise ConfigError(f"`dataset_mixture[{i}].fraction` must be a number > 0, got {fraction!r}.")
+                                     or not 0 < fraction <= 1):
+            raise ConfigError(f"`dataset_mixture[{i}].fraction` must be a number in (0, 1] (the part's share of the "
+                              f"mixture, e.g. 0.25), got {fraction!r}.")
         if part.columns is not None and (not isinstance(part.columns, list) or not part.columns
                                          or not all(isinstance(c, str) for c in part.columns)):
             raise ConfigError(f"`dataset_mixture[{i}].columns` must be a list of column names, got {part.columns!r}.")

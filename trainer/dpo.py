@@ -445,7 +445,7 @@ def run_dpo(config: DPOConfig) -> str:
     log.info("DPO: %d pairs, %d optimizer steps, loss_type=%s.", len(train_data), steps, config.loss_type)
 
     # 2. Policy, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = run.resume_checkpoint()
+    resume = run.resume_checkpoint(model_path, rows)
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:

@@ -441,7 +441,7 @@ def run_grpo(config: GRPOConfig) -> str:
              config.rollout_engine, rewards.names)
 
     # 2. Policy and reference; optimizer and state through the runner.
-    resume = run.resume_checkpoint()
+    resume = run.resume_checkpoint(model_path, data.rows)
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:

@@ -459,7 +459,7 @@ def run_ppo(config: PPOConfig) -> str:
              "rewards %s.", len(data.token_ids), config.batch_size, run.world, steps, per, config.rollout_engine,
              rewards.names)
 
-    run.resume_checkpoint()
+    run.resume_checkpoint(model_path, data.rows)
     model, head, ref_model = load_models(run, config, model_path, tokenizer, rewards)
     run.tokenizer = tokenizer
     run.report = distributed.RankReport(run.accelerator)

@@ -214,7 +214,7 @@ def run_reward(config: RewardConfig) -> str:
              f" ({len(eval_data)} held out)" if eval_data else "", steps)
 
     # 2. Model, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = run.resume_checkpoint()
+    resume = run.resume_checkpoint(model_path, rows)
     model = load_reward_model(resume or model_path, tokenizer.pad_token_id, config.dtype, config.trust_remote_code,
                               config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)

@@ -27,17 +27,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import distributed, hub, storage
+from trainer import distributed, hub, identity, storage
 from trainer.loop import MetricWindow, build_optimizer, build_scheduler, set_seed, step_batches
 from trainer.progress import Progress
 from trainer.storage import is_remote
@@ -67,7 +69,7 @@ def to_device(batch, device):
 class StageRunner:
     """One stage's run: accelerator, training state, MLflow run, checkpoints and progress.
 
-    Lifecycle: `StageRunner(stage, config)` -> `resume_checkpoint()` -> the stage loads its model
+    Lifecycle: `StageRunner(stage, config)` -> `resume_checkpoint(model_path, rows)` -> the stage loads its model
     -> `prepare(model, ...)` -> the loop (`rank_batches`, `micro_batch`, `backward`,
     `optimizer_step`, then `end_step`, or `log_step` and `maybe_save`) -> `final_evaluation` ->
     `finish()`, all inside `with runner.failing():`, which marks the MLflow run FAILED on an exception.
@@ -90,7 +92,10 @@ class StageRunner:
         self.last_metrics: dict[str, float] = {}
         self.datasets: dict[str, dict] = {}
         self.window = MetricWindow()
-        self.resume: str | None = None
+        self.resume: str | None = None  # the local copy of the checkpoint resumed from
+        self.resumed_from: str | None = None  # its URI
+        self.resume_changes: list[dict[str, Any]] = []  # identity changes allowed by resume_allow_changes
+        self.identity: dict[str, Any] = {}
         self.tokenizer: Any = None
         self.heads: dict[str, torch.nn.Module] = {}
         self._saved_at = time.monotonic()
@@ -101,13 +106,59 @@ class StageRunner:
 
     # --- setup ---------------------------------------------------------------------------------
 
-    def resume_checkpoint(self) -> str | None:
-        """The checkpoint to resume from (`resume_from_checkpoint`), fetched to a local folder; None to start afresh."""
-        config = self.config
-        self.resume = ckpt.resolve_resume(config.resume_from_checkpoint, config.output_dir, fetch=True)
-        if self.resume:  # a verified local copy; from the same run, or refused / warned about
-            ckpt.check_same_run(self.resume, config, auto=config.resume_from_checkpoint == "auto")
+    def resume_checkpoint(self, model_path: str | None, rows) -> str | None:
+        """This run's identity (`trainer.identity`: stage, base model at `model_path`, the training `rows`'
+        fingerprint, seed, LoRA, options) and the checkpoint to resume from (`resume_from_checkpoint`),
+        fetched to a local folder; None to start afresh. Called before any model loads: a checkpoint of
+        another run is refused here in one line (`CheckpointError`) unless `resume_allow_changes`, and with
+        `auto` a finished model of this same run in `output_dir` raises `checkpoint.RunFinished`."""
+        from trainer.data import dataset_fingerprint
+
+        config, values = self.config, dataclasses.asdict(self.config)
+        self.identity = identity.run_identity(self.stage, values, self.world, model_path, dataset_fingerprint(rows))
+        if config.resume_from_checkpoint == "auto" and (final := ckpt.finished_model(config.output_dir)):
+            changes = self._changes(final, f"the finished model in {config.output_dir}")
+            if not changes and not identity.length_changes(final, values):
+                raise ckpt.RunFinished(
+                    f"{config.output_dir} already holds this run's finished model (step {final.get('step')}, saved "
+                    f"{final.get('created', '?')}); nothing to train. To train again, use a new `output_dir`, or "
+                    "leave out `resume_from_checkpoint` to start over and replace it.")
+        found = ckpt.find_resume(config.resume_from_checkpoint, config.output_dir, fetch=True)
+        if found:  # a verified local copy of a step checkpoint
+            self.resumed_from, self.resume = found
+            where = (f"the checkpoint {self.resumed_from}" if config.resume_from_checkpoint == "auto"
+                     else "that checkpoint")
+            manifest = json.loads(Path(self.resume, ckpt.MANIFEST).read_text())
+            self.resume_changes = [
+                *manifest.get("resume_changes", []),
+                *({"step": manifest.get("step"), "from": self.resumed_from, "field": c.field, "old": c.old,
+                   "new": c.new} for c in self._changes(manifest, where))]
+            for change in identity.length_changes(manifest, values):
+                log.warning("RESUMING WITH A NEW LENGTH: %s (the checkpoint was saved at step %s).", change,
+                            manifest.get("step"))
         return self.resume
+
+    def _changes(self, manifest: dict[str, Any], where: str) -> list[identity.Change]:
+        """How this run's identity differs from the one `manifest` records. Another stage is refused; other
+        differences are refused unless `resume_allow_changes`, which continues with a warning."""
+        config = self.config
+        changes = identity.differences(identity.manifest_identity(manifest), self.identity)
+        listed = "; ".join(str(c) for c in changes)
+        anew = ("use a new `output_dir`" if config.resume_from_checkpoint == "auto"
+                else "leave out `resume_from_checkpoint`")
+        if changes and changes[0].field == "stage":
+            raise ckpt.CheckpointError(
+                f"resume_from_checkpoint={config.resume_from_checkpoint}: {where} is from the {changes[0].old} stage, "
+                f"not {self.stage}: a run cannot continue in another stage. To start a {self.stage} run from its "
+                f"model, give it as `--model` and {anew}.")
+        if changes and not config.resume_allow_changes:
+            raise ckpt.CheckpointError(
+                f"resume_from_checkpoint={config.resume_from_checkpoint}: {where} is from a different run ({listed}). "
+                f"For a new run {anew}; to continue this one with these changes on purpose add "
+                "`--resume_allow_changes true` (alignflow.json then records them).")
+        if changes:
+            log.warning("RESUMING A CHANGED RUN from %s: %s.", where, listed)
+        return changes
 
     def prepare(self, model: torch.nn.Module, total_steps: int, datasets: dict[str, dict],
                 wrap=None, heads: dict[str, torch.nn.Module] | None = None):
@@ -118,15 +169,9 @@ class StageRunner:
         whose forward the stage calls; `self.module` stays the plain model, for saving and generation.
         `heads` (name -> module, e.g. PPO's value head) train with the model (`wrap` must hold them,
         so that DDP / DeepSpeed see their gradients) and are saved with every checkpoint as
-        `<name>.safetensors`; the stage restores them from `resume` before calling this. With `auto`, a
-        run whose final model is already in `output_dir` raises `checkpoint.RunFinished`
-        (docs/reliability.md).
+        `<name>.safetensors`; the stage restores them from `resume` before calling this.
         """
         config = self.config
-        if config.resume_from_checkpoint == "auto" and (done := ckpt.finished_run(config.output_dir, config, datasets)):
-            raise ckpt.RunFinished(done)
-        if self.resume:
-            ckpt.check_same_run(self.resume, config, auto=config.resume_from_checkpoint == "auto", datasets=datasets)
         distributed.seed_rank(config.seed, self.rank)
         self.module, self.total_steps, self.datasets = model, total_steps, datasets
         self.heads = heads or {}
@@ -286,6 +331,9 @@ class StageRunner:
     def manifest(self) -> dict[str, Any]:
         manifest = ckpt.build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
                                        self.state.global_step)
+        manifest["identity"] = self.identity
+        if self.resumed_from:
+            manifest.update(resumed_from=self.resumed_from, resume_changes=self.resume_changes)
         # The MLflow run and the last logged completions: the KFP task's report links and shows them.
         tracker = self.__dict__.get("tracker")
         extra = {"mlflow_run_id": (tracker and tracker.run_id) or self.state.mlflow_run_id, "samples": self.samples}

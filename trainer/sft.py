@@ -219,7 +219,7 @@ def run_sft(config: SFTConfig) -> str:
              "packed rows" if config.packing else "rows", steps)
 
     # 2. Model, optimizer, schedule; restored from a checkpoint when resuming.
-    resume = run.resume_checkpoint()
+    resume = run.resume_checkpoint(model_path, rows)
     model = load_causal_lm(resume or model_path, config.dtype, config.trust_remote_code,
                            config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     if config.lora_r and not resume:

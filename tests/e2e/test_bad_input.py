@@ -110,6 +110,34 @@ CASES = [
          ("resume_from_checkpoint", "nope-ckpt", "does not exist")),
     Case("sft resume path not a checkpoint", sft("--resume_from_checkpoint", "{d}/emptydir"),
          ("resume_from_checkpoint", "alignflow.complete")),
+    Case("sft resume from a final model", sft("--resume_from_checkpoint", "{d}/sftrun"),
+         ("resume_from_checkpoint", "final model, not a step checkpoint", "sftrun/checkpoint-1", "--model")),
+    Case("sft resume from a reward checkpoint", sft("--resume_from_checkpoint", "{d}/rmrun/checkpoint-1"),
+         ("resume_from_checkpoint", "from the reward stage, not sft")),
+    Case("dpo resume from an sft checkpoint", ["train", "dpo", "--model", "{tiny}", "--dataset", "{d}/prefs.jsonl",
+                                               "--output_dir", "{out}/run", *LONG, "--resume_from_checkpoint",
+                                               "{d}/sftrun/checkpoint-1"], ("from the sft stage, not dpo",)),
+    Case("sft resume with a changed seed", sft("--resume_from_checkpoint", "{d}/sftrun/checkpoint-1", "--seed", "7"),
+         ("different run", "seed 42 -> 7", "--resume_allow_changes")),
+    Case("sft resume with LoRA added", sft("--resume_from_checkpoint", "{d}/sftrun/checkpoint-1", "--lora_r", "8"),
+         ("different run", "lora_r 0 -> 8")),
+    Case("sft auto on a finished run with a changed seed", sft("--output_dir", "{d}/sftrun", "--resume_from_checkpoint",
+                                                               "auto", "--seed", "7"),
+         ("the finished model in", "seed 42 -> 7")),
+    # --- output_dir apart from the inputs --------------------------------------------------------------------
+    Case("sft output_dir is the model", sft("--output_dir", "{tiny}"), ("`output_dir`", "is the `model` input", "of its own")),
+    Case("sft output_dir inside the model", sft("--output_dir", "{tiny}/run"), ("lies inside the `model` input",)),
+    Case("sft output_dir contains the dataset", sft("--output_dir", "{d}"), ("contains the `dataset` input", "pc.jsonl")),
+    Case("sft output_dir inside the model on s3", sft("--model", "s3://bucket/base", "--output_dir", "s3://bucket/base/sft"),
+         ("lies inside the `model` input", "s3://bucket/base")),
+    Case("dpo output_dir is the ref_model", ["train", "dpo", "--model", "{tiny}", "--ref_model", "{d}/emptydir",
+                                             "--dataset", "{d}/prefs.jsonl", "--output_dir", "{d}/emptydir", *LONG],
+         ("is the `ref_model` input",)),
+    Case("grpo output_dir inside a reward model", grpo("--reward_funcs", "{d}/emptydir", "--output_dir",
+                                                       "{d}/emptydir/run"), ("lies inside the `reward_funcs` input",)),
+    Case("ppo output_dir is the critic_model", grpo("--critic", "reward_model", "--critic_model", "{d}/emptydir",
+                                                    "--output_dir", "{d}/emptydir", stage="ppo"),
+         ("is the `critic_model` input",)),
     # --- options and config files ----------------------------------------------------------------------------
     Case("sft misspelt option", sft("--lerning_rate", "1e-3"), ("lerning_rate", "Did you mean `learning_rate`")),
     Case("sft option not a number", sft("--per_device_batch_size", "abc"), ("per_device_batch_size", "abc")),
@@ -126,6 +154,15 @@ CASES = [
     Case("sft config file not YAML", sft("--config", "{d}/bad.yaml"), ("bad.yaml", "not valid YAML")),
     Case("sft config file a list", sft("--config", "{d}/list.yaml"), ("list.yaml", "mapping")),
     Case("sft config file unknown key", sft("--config", "{d}/unknown.yaml"), ("lerning_rate", "unknown.yaml")),
+    Case("sft config file duplicate key", sft("--config", "{d}/dup.yaml"),
+         ("dup.yaml", "`learning_rate` is set twice", "line 1", "line 3")),
+    Case("sft config file list for a number", sft("--config", "{d}/listlr.yaml"),
+         ("listlr.yaml", "`learning_rate`", "is a list", "takes a number")),
+    Case("sft two values for a number", sft("--learning_rate", "0.001", "0.002"),
+         ("`--learning_rate` takes a number", "`0.002`")),
+    Case("sft mixture fraction above 1", ["train", "sft", "--model", "{tiny}", "--dataset_mixture",
+                                          '[{"path": "{d}/pc.jsonl", "fraction": 1.5}]', "--output_dir", "{out}/run",
+                                          *LONG], ("dataset_mixture[0].fraction", "(0, 1]", "1.5")),
     # --- where the output goes -------------------------------------------------------------------------------
     Case("sft output_dir read-only", sft("--output_dir", "/sys/fs/alignflow-bad-input"), ("output_dir", "/sys/fs")),
     Case("sft output_dir under a file", sft("--output_dir", "{d}/file.txt/run"), ("output_dir", "file.txt")),
@@ -255,6 +292,8 @@ def data(tmp_path_factory, tiny_model) -> Path:
     (d / "bad.yaml").write_text("learning_rate: [1\n")
     (d / "list.yaml").write_text("- learning_rate\n")
     (d / "unknown.yaml").write_text("lerning_rate: 0.1\n")
+    (d / "dup.yaml").write_text("learning_rate: 0.001\nseed: 3\nlearning_rate: 50\n")
+    (d / "listlr.yaml").write_text("learning_rate: [0.001, 0.002]\n")
     (d / "list.json").write_text("[1, 2]\n")
     (d / "metrics.json").write_text('{"reward": 1.0}\n')
     (d / "user_rewards.py").write_text("def good(prompts, completions, **_):\n    return [1.0] * len(completions)\n")
@@ -263,6 +302,14 @@ def data(tmp_path_factory, tiny_model) -> Path:
                                             "def good(prompts, completions, **_):\n    return [0.0]\n")
     (d / "full").mkdir()
     (d / "full" / "metrics.json").symlink_to("/dev/full")  # writes there fail with ENOSPC, as on a full disk
+    # Two short runs whose checkpoints the resume cases point at: SFT with the options of `sft()` (so that only
+    # the flag a case changes differs) and a reward model.
+    from trainer.reward import RewardConfig, run_reward
+    from trainer.sft import SFTConfig, run_sft
+
+    short = dict(model=tiny_model, max_steps=2, save_steps=1, disable_progress_bar=True, report_to=["none"])
+    run_sft(SFTConfig(dataset=str(d / "pc.jsonl"), output_dir=str(d / "sftrun"), **short))
+    run_reward(RewardConfig(dataset=str(d / "prefs.jsonl"), output_dir=str(d / "rmrun"), **short))
     return d
 
 
@@ -326,6 +373,7 @@ def test_bad_input_is_one_line_with_exit_2(case, data, tiny_model, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     argv = [_fill(a, values) for a in case.argv]
 
+    model_before = _snapshot(tiny_model)
     started = time.perf_counter()
     code = main(argv)
     seconds = time.perf_counter() - started
@@ -341,6 +389,15 @@ def test_bad_input_is_one_line_with_exit_2(case, data, tiny_model, tmp_path, mon
     assert not missing, f"{missing} not in: {errors[0]}"
     if not case.loads_model:
         assert seconds < PREFLIGHT_LIMIT_S, f"{case.name}: {seconds:.1f} s with max_steps 100000"
+    assert _snapshot(tiny_model) == model_before, "the model folder changed"
+
+
+def _snapshot(folder: str) -> dict[str, str]:
+    """Every file under `folder` by relative path: its sha256."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 def test_a_valid_reward_path_passes_without_running_the_module(data, tiny_model, tmp_path, monkeypatch, capfd):

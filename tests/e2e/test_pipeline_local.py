@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 from mlflow import MlflowClient
 
+from tests.helpers import descendants
 from trainer import storage
 
 FAST = {
@@ -164,25 +165,16 @@ def _plain(text: str) -> str:
 
 def _task_processes(root_pid: int, function: str) -> list[int]:
     """Descendants of `root_pid` running the component `function` (python -m kfp.dsl.executor_main)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
+    found = []
+    for pid in descendants(root_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
-            argv = []
+            continue
         # The python process itself, not the `sh -ec` wrapper that passes the same arguments on.
         if (b"kfp.dsl.executor_main" in argv and b"--function_to_execute" in argv
                 and argv[argv.index(b"--function_to_execute") + 1] == function.encode()):
             found.append(pid)
-        todo += children.get(pid, [])
     return found
 
 

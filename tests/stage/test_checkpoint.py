@@ -1,6 +1,6 @@
 """Checkpoint integrity and `resume_from_checkpoint auto`: the marker lists every file's size and
 sha256, a corrupt checkpoint is passed over (auto) or refused (explicit path), a finished run is
-recognised, and a changed run is refused."""
+recognised, and a changed run is refused (each identity field: tests/stage/test_resume_identity.py)."""
 
 import json
 import logging
@@ -106,7 +106,8 @@ def test_rerunning_a_finished_run_with_auto_trains_nothing(tiny_model, tmp_path,
     assert [r["step"] for r in history(out)] == [1, 2, 3, 4, 5]
 
 
-def test_auto_refuses_a_changed_run_and_an_explicit_path_warns(tiny_model, tmp_path, capsys, caplog):
+def test_auto_and_an_explicit_path_refuse_a_changed_run_unless_changes_are_allowed(tiny_model, tmp_path, capsys,
+                                                                                  caplog):
     out = tmp_path / "changed"
     data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Say {w}.", "completion": f" {w}"}
                                                   for w in ["red", "green", "blue", "pink"] * 8])
@@ -119,7 +120,7 @@ def test_auto_refuses_a_changed_run_and_an_explicit_path_warns(tiny_model, tmp_p
                     "--resume_from_checkpoint", "auto")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "different run (learning_rate 0.003 -> 0.01)" in err
-    assert "pass the checkpoint's path" in err
+    assert "already holds" not in err and "--resume_allow_changes true" in err
 
     # New rows in the same file: the fingerprint differs.
     write_jsonl(Path(data), [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["gold", "cyan"] * 16])
@@ -128,13 +129,18 @@ def test_auto_refuses_a_changed_run_and_an_explicit_path_warns(tiny_model, tmp_p
     assert (out / "model.safetensors").read_bytes() == weights
     assert ckpt.is_complete(str(out))
 
-    # Naming the checkpoint continues it with the new settings, loudly.
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
-        run_sft(sft_config(tiny_model, tmp_path / "branch", dataset=data, max_steps=4, learning_rate=0.01,
-                           resume_from_checkpoint=str(out / "checkpoint-2")))
+    # Naming the checkpoint is refused the same way; `resume_allow_changes` continues it, loudly and on record.
+    changed = dict(dataset=data, max_steps=4, learning_rate=0.01, resume_from_checkpoint=str(out / "checkpoint-2"))
+    with pytest.raises(ckpt.CheckpointError, match="that checkpoint is from a different run .*fingerprint.*learning"):
+        run_sft(sft_config(tiny_model, tmp_path / "branch", **changed))
+    with caplog.at_level(logging.WARNING, logger="trainer.runner"):
+        run_sft(sft_config(tiny_model, tmp_path / "branch", resume_allow_changes=True, **changed))
     warned = [r.getMessage() for r in caplog.records if "RESUMING A CHANGED RUN" in r.getMessage()]
-    assert any("learning_rate" in w for w in warned) and any("fingerprint" in w for w in warned)
+    assert any("learning_rate" in w and "fingerprint" in w for w in warned)
     assert [r["step"] for r in history(tmp_path / "branch")] == [1, 2, 3, 4]
+    manifest = json.loads((tmp_path / "branch" / ckpt.MANIFEST).read_text())
+    assert manifest["resumed_from"] == str(out / "checkpoint-2")
+    assert {c["field"]: (c["old"], c["new"]) for c in manifest["resume_changes"]}["learning_rate"] == (0.003, 0.01)
 
 
 class _RunsCode:

