@@ -40,6 +40,18 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading a model's weights fails the test: a refusal must come before it (bad input, a changed run)."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was refused")
+
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification):
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+
+
+@pytest.fixture
 def count_model_loads(monkeypatch):
     """Counts every model the DPO stage loads (policy and reference)."""
     import trainer.dpo as dpo

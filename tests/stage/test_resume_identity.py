@@ -60,17 +60,6 @@ def other_model(tiny_model, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    import transformers
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the changed run was refused")
-
-    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification):
-        monkeypatch.setattr(cls, "from_pretrained", refuse)
-
-
 # field -> (stage, extra flags, dataset, words the error line holds)
 CHANGES = {
     "seed": ("sft", ["--seed", "7"], "demo", ["seed 42 -> 7"]),
