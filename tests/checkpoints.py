@@ -9,13 +9,13 @@ one (a corrupted file, a planted pickle, a changed tokenizer) copies it into its
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 
 def shared_folder(tmp_path_factory, name: str) -> Path:
@@ -27,27 +27,13 @@ def shared_folder(tmp_path_factory, name: str) -> Path:
     return root / name
 
 
-class Lock:
-    """An exclusive lock on `path` (created if missing) for a `with` block, across processes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        self.file = open(self.path, "w")
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()  # (releases the lock)
-
-
 def build_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
     """`build(folder)` once per test run, in a shared folder: under `pytest -n N` the first worker to ask
     builds while the others wait on a lock, then all read the same folder. A build that raised leaves no
     `.done` marker, so the next request starts it again in a clean folder."""
     folder = shared_folder(tmp_path_factory, name)
     done = folder.with_name(f"{name}.done")
-    with Lock(folder.with_name(f"{name}.lock")):
+    with FileLock(folder.with_name(f"{name}.lock")):  # (filelock: a dependency of torch and the hub client)
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)
             build(folder)
