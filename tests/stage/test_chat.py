@@ -13,6 +13,8 @@ QUESTION = "What is the capital of Peru?"
 
 
 def run_chat(capsys, *args: str) -> str:
+    """The reply `alignflow chat` prints, and nothing the test printed before it (training, imports)."""
+    capsys.readouterr()
     assert cli.main(["chat", *args]) == 0
     return capsys.readouterr().out.rstrip("\n")
 
