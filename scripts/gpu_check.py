@@ -1,6 +1,6 @@
 """The GPU check of issue 17: `pytest -m gpu` plus a short throughput run of every stage, one JSON summary.
 
-    bash scripts/gpu_check.sh [--out gpu_check.json] [--dry-run]
+    bash scripts/gpu_check.sh [--out gpu_check.json] [--dry-run] [--stages sft,dpo] [--steps 20]
 
 On a CUDA machine it runs tests/gpu (every stage on the GPU in bf16; 2-GPU DDP and ZeRO-3 when
 there are two GPUs) and then each stage for a few steps on a small model built offline
@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "trainer" / "demo_data"
+STAGES = ("sft", "reward", "dpo", "grpo")
 
 
 def stage_args(stage: str, work: Path) -> list[str]:
@@ -36,6 +37,16 @@ def stage_args(stage: str, work: Path) -> list[str]:
                                for i in range(64)))
     return ["--dataset", str(prompts), "--reward_funcs", "length:16", "--num_generations", "8",
             "--max_completion_length", "32", "--max_prompt_length", "64", "--log_completions_steps", "0"]
+
+
+def train_command(stage: str, model: Path, out: Path, steps: int, cuda: bool, work: Path,
+                  extra: list[str]) -> list[str]:
+    """`alignflow train STAGE` for a throughput run of `steps` steps (`extra`: the layout's flags)."""
+    batch = 8 if stage == "grpo" else 4
+    return [sys.executable, "-m", "trainer.cli", "train", stage, "--model", str(model), "--output_dir", str(out),
+            "--max_steps", str(steps), "--logging_steps", "1", "--disable_progress_bar", "true",
+            "--per_device_batch_size", str(batch), "--bf16", "true" if cuda else "false", *stage_args(stage, work),
+            *extra]
 
 
 def run(command: list[str], timeout: float) -> tuple[int, float, str]:
@@ -65,7 +76,12 @@ def main() -> int:
     parser.add_argument("--out", default="gpu_check.json", help="Summary JSON file (default gpu_check.json).")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, float32: check the script itself.")
     parser.add_argument("--steps", type=int, default=20, help="Steps per throughput run (default 20).")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"Comma-separated stages to run (default all: {','.join(STAGES)}).")
     args = parser.parse_args()
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if not stages or set(stages) - set(STAGES):
+        parser.error(f"--stages takes some of {','.join(STAGES)}, got {args.stages!r}")
     import torch
 
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -89,15 +105,11 @@ def main() -> int:
         layouts = [("1 GPU" if cuda else "1 CPU rank", [])]
         if gpus >= 2 or args.dry_run:
             layouts.append(("2 ranks, ZeRO-3", ["--num_processes", "2", "--deepspeed", "zero3"]))
-        for stage in ("sft", "reward", "dpo", "grpo"):
+        for stage in stages:
             # A dry run checks the two-rank path once (on SFT); the multi-rank tests cover every stage.
             for name, extra in layouts[:1] if args.dry_run and stage != "sft" else layouts:
                 out = work / f"{stage}-{len(summary['stages'])}"
-                batch = 8 if stage == "grpo" else 4
-                command = [sys.executable, "-m", "trainer.cli", "train", stage, "--model", str(model),
-                           "--output_dir", str(out), "--max_steps", str(args.steps), "--logging_steps", "1",
-                           "--disable_progress_bar", "true", "--per_device_batch_size", str(batch),
-                           "--bf16", "true" if cuda else "false", *stage_args(stage, work), *extra]
+                command = train_command(stage, model, out, args.steps, cuda, work, extra)
                 code, secs, log = run(command, 240)
                 row = {"stage": stage, "layout": name, "exit_code": code, "wall_s": secs}
                 row.update(throughput(out, secs) if code == 0 else {"tail": log[-1500:]})

@@ -276,6 +276,7 @@ class MlflowServer:
         # No job runner: alignflow uses none of MLflow's server jobs, and its idle consumers poll (the chart's setting).
         env = {**os.environ, **self.s3.env(), "OMP_WAIT_POLICY": "PASSIVE", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         env.pop("MLFLOW_TRACKING_URI", None)
+        env.pop("COVERAGE_PROCESS_CONFIG", None)  # it runs none of alignflow's code: not traced by scripts/test.sh
         cmd = [sys.executable, "-m", "mlflow", "server",
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", f"s3://{self.s3.bucket}/{self.prefix}",

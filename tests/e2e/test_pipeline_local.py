@@ -21,8 +21,8 @@ from tests.helpers import descendants
 from trainer import storage
 
 FAST = {
-    "sft": {"max_steps": 40, "per_device_batch_size": 16, "learning_rate": 3e-3, "max_length": 128},
-    "reward": {"max_steps": 10, "per_device_batch_size": 16, "learning_rate": 1e-3, "max_length": 128},
+    "sft": {"max_steps": 8, "per_device_batch_size": 8, "learning_rate": 3e-3, "max_length": 128},
+    "reward": {"max_steps": 4, "per_device_batch_size": 8, "learning_rate": 1e-3, "max_length": 128},
     "grpo": {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2], "num_generations": 4,
              "max_completion_length": 16, "max_prompt_length": 64, "learning_rate": 1e-4, "max_steps": 3},
     "dpo": {"max_steps": 3, "per_device_batch_size": 8, "max_length": 128},
@@ -139,7 +139,7 @@ def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_e
     ranks = {"gpus_per_node": 2, "mixed_precision": "no"}
     third = run_pipeline(tmp_path, "third", env, base_model=tiny_model, datasets=datasets, algorithm="dpo",
                          min_improvement=1e6,
-                         sft={**FAST["sft"], "per_device_batch_size": 8, **ranks, "deepspeed": "none"},
+                         sft={**FAST["sft"], "per_device_batch_size": 4, **ranks, "deepspeed": "none"},
                          dpo={**FAST["dpo"], "per_device_batch_size": 4, **ranks, "deepspeed": "zero2"})
     assert third.returncode == 0, third.stderr[-3000:]
     executed, hits = tasks(third)

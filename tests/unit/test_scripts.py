@@ -39,3 +39,23 @@ def test_scripts_use_the_venv_then_python3_and_honour_PYTHON(script, tmp_path):
     assert first_call().startswith("venv-python ")
     explicit = fake_python(tmp_path / "chosen", "chosen-python")
     assert first_call(PYTHON=str(explicit)).startswith("chosen-python ")
+
+
+def test_gpu_check_runs_a_valid_config_of_every_stage(tmp_path):
+    """What scripts/gpu_check.py asks of each stage, on either device and layout, is a config the stage accepts
+    (its dry run trains SFT only: tests/e2e/test_ranks.py)."""
+    import importlib.util
+
+    from trainer.config import parse_config
+    from trainer.stages import stage_parts
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    for stage in gpu_check.STAGES:
+        for cuda in (False, True):
+            for extra in ([], ["--num_processes", "2", "--deepspeed", "zero3"]):
+                command = gpu_check.train_command(stage, tmp_path / "model", tmp_path / stage, 3, cuda, tmp_path, extra)
+                assert command[3:5] == ["train", stage]
+                config = parse_config(stage_parts(stage)[0], command[5:])
+                assert (config.max_steps, config.bf16, config.num_processes) == (3, cuda, 2 if extra else 1)

@@ -20,6 +20,12 @@ def compiled(tmp_path, config=None) -> str:
     return out.read_text()
 
 
+@pytest.fixture(scope="module")
+def default_yaml(tmp_path_factory) -> str:
+    """The pipeline compiled with the default config, once for the tests that only read it (~5 s under coverage)."""
+    return compiled(tmp_path_factory.mktemp("default-pipeline"))
+
+
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 def test_every_pipeline_compiles(name, tmp_path):
     from kfp import compiler
@@ -260,10 +266,10 @@ def test_training_cache_keys_are_stable_and_take_nothing_made_per_run(tmp_path):
     assert not any("parent" in k for key in first.values() for k in key["inputs"]["parameters"])
 
 
-def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(tmp_path):
+def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(default_yaml):
     from components.kubernetes import RUN_ID_ENV
 
-    spec, platform = yaml.safe_load_all(compiled(tmp_path))
+    spec, platform = yaml.safe_load_all(default_yaml)
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     containers = [e for e in spec["deploymentSpec"]["executors"] if "container" in spec["deploymentSpec"]["executors"][e]]
     assert len(containers) >= 8
@@ -271,8 +277,8 @@ def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(tmp_path):
         assert {"fieldPath": "metadata.labels['pipeline/runid']", "name": RUN_ID_ENV} in k8s[executor]["fieldPathAsEnv"]
 
 
-def test_every_pipeline_parameter_is_described_for_the_ui(tmp_path):
-    spec = next(yaml.safe_load_all(compiled(tmp_path)))
+def test_every_pipeline_parameter_is_described_for_the_ui(default_yaml):
+    spec = next(yaml.safe_load_all(default_yaml))
     parameters = spec["root"]["inputDefinitions"]["parameters"]
     assert len(parameters) == 20
     undescribed = [name for name, p in parameters.items() if len(p.get("description", "")) < 20]
@@ -280,10 +286,10 @@ def test_every_pipeline_parameter_is_described_for_the_ui(tmp_path):
     assert "`grpo`, `dpo` or `ppo`" in parameters["algorithm"]["description"]
 
 
-def test_one_branch_per_algorithm_and_the_parameter_check_runs_first(tmp_path):
+def test_one_branch_per_algorithm_and_the_parameter_check_runs_first(default_yaml):
     from components.inputs import ALGORITHMS
 
-    spec = next(yaml.safe_load_all(compiled(tmp_path)))
+    spec = next(yaml.safe_load_all(default_yaml))
     conditions = sorted(task["triggerPolicy"]["condition"] for _, _, task in _tasks(spec)
                         if "pipelinechannel--algorithm" in task.get("triggerPolicy", {}).get("condition", ""))
     assert conditions == sorted(f"inputs.parameter_values['pipelinechannel--algorithm'] == '{a}'" for a in ALGORITHMS)
