@@ -72,8 +72,12 @@ def check_knobs(knobs: dict[str, Any]) -> None:
 
 
 def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], eval_config: dict[str, Any],
-                     knobs: dict[str, Any], model_name: str) -> None:
-    """Every parameter a run reads, checked as the stages will read it; raises ConfigError naming the field."""
+                     knobs: dict[str, Any], model_name: str, gate_metric: str = "reward", gate_mode: str = "auto",
+                     pod_gpus: int | None = None) -> None:
+    """Every parameter a run reads, checked as the stages will read it; raises ConfigError naming the field.
+
+    `pod_gpus`: the GPUs of a training task's pod (`cluster.train.gpus`), which a one-node section's
+    `gpus_per_node` must match; None for a local run (no pods)."""
     from components.trainjob import split_config
     from trainer.config import config_from_dict
     from trainer.evaluate import EvalConfig
@@ -85,6 +89,7 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
     if not model_name:
         raise ConfigError("`model_name` is required: the MLflow registered model the pipeline promotes into.")
     check_knobs(knobs)
+    check_gate(gate_metric, gate_mode)
     for stage in TRAINING_STAGES:
         config_cls, _ = stage_parts(stage)
         try:
@@ -93,6 +98,8 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
             multi, values = split_config(with_knobs(stage, section, knobs))
             config = config_from_dict(config_cls, {**values, **_PLACEHOLDERS})
             multi.check(stage, config)
+            if pod_gpus is not None and stage in ("sft", "reward", algorithm):
+                multi.check_pod(pod_gpus, config)
             # Import paths resolve (and are allowed) before any task runs, not when GRPO starts.
             check_reward_specs(getattr(config, "reward_funcs", []))
         except ConfigError as err:
@@ -101,6 +108,16 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
         check_reward_specs(config_from_dict(EvalConfig, {**eval_config, **_PLACEHOLDERS}).reward_funcs)
     except ConfigError as err:
         raise ConfigError(f"In the `evaluate` section of the pipeline config: {err}") from None
+
+
+def check_gate(gate_metric: str, gate_mode: str) -> None:
+    """The promotion gate knows which way `gate_metric` improves (`trainer.registry.gate_direction`)."""
+    from trainer.registry import RegistryError, gate_direction
+
+    try:
+        gate_direction(gate_metric, gate_mode)
+    except RegistryError as err:
+        raise ConfigError(str(err)) from None
 
 
 def fingerprints(uris: dict[str, str]) -> dict[str, str]:

@@ -215,7 +215,7 @@ def skip_stage(stage: str, *, model_in: str | None, model_out, metrics_out, repo
 
 def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, dataset: str, reward_model: str,
                    model_name: str, gate_metric: str, min_improvement: float, metrics_out, report_out,
-                   results_out) -> bool:
+                   results_out, gate_mode: str = "auto") -> bool:
     """Evaluate the trained policy, compare it with the registry's champion; returns whether the gate passes."""
     from trainer import registry
     from trainer.config import config_from_dict
@@ -236,7 +236,7 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
     metrics = run_evaluate(config_from_dict(EvalConfig, values))
     _log_metrics(metrics_out, metrics)
     if tracking and model_name:
-        passed, reason = registry.check_gate(model_name, metrics, gate_metric, min_improvement)
+        passed, reason = registry.check_gate(model_name, metrics, gate_metric, min_improvement, gate_mode)
     else:
         passed, reason = False, "no MLflow tracking URI: nothing to promote into"
     report.write(report_out.path, report.render(evaluate_report(metrics, results_out.path, passed, reason, parent)))
@@ -278,6 +278,7 @@ def mlflow_run_url(run_id: str) -> str:
 
 
 def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: str, min_improvement: float,
+                  gate_mode: str = "auto",
                   pipeline_run: str, report_out) -> str:
     """Register the evaluated model as an MLflow model and move `@champion` (the pipeline calls this only when
     the gate passed). The promote run is a child of the pipeline's MLflow run (found by the run id)."""
@@ -288,7 +289,7 @@ def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: 
     tags = {"alignflow.pipeline_run": pipeline_run}
     if parent := find_pipeline_run():
         tags["alignflow.pipeline_mlflow_run"] = parent
-    result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric,
+    result = registry.promote(model_name, model_in, metrics, gate_metric=gate_metric, gate_mode=gate_mode,
                               min_improvement=min_improvement, tags=tags, parent_run_id=parent or None)
     page = report.Report(f"promote {model_name}", f"version {result.version}: champion {result.champion_before or 'none'} "
                          f"→ {result.champion_after}", metrics, gate=report.Gate(result.promoted, result.reason),

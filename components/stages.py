@@ -25,19 +25,21 @@ component = dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
 @component
 def check_inputs(algorithm: str, sft_config: dict, reward_config: dict, dpo_config: dict, grpo_config: dict,
                  ppo_config: dict, eval_config: dict, max_steps: int, learning_rate: float, num_generations: int,
-                 model_name: str, base_model_uri: str, sft_data_uri: str, preference_data_uri: str, prompts_uri: str,
-                 eval_prompts_uri: str
+                 model_name: str, gate_metric: str, gate_mode: str, pod_gpus: int, base_model_uri: str,
+                 sft_data_uri: str, preference_data_uri: str, prompts_uri: str, eval_prompts_uri: str
                  ) -> NamedTuple("InputFingerprints", [("sft", str), ("reward", str), ("dpo", str), ("grpo", str),
                                                        ("ppo", str)]):
     """Check every parameter as the stages will read it (a wrong value fails here, in seconds, naming the
     allowed values) and fingerprint each training stage's input data (components/inputs.py: TASK_INPUTS),
-    so that new data at an unchanged URI misses the cache."""
+    so that new data at an unchanged URI misses the cache. `pod_gpus`: the GPUs of a training task's pod
+    (-1 in a local run, which has no pods)."""
     from components import inputs
 
     stage_configs = {"sft": sft_config, "reward": reward_config, "dpo": dpo_config, "grpo": grpo_config,
                      "ppo": ppo_config}
     knobs = {"max_steps": max_steps, "learning_rate": learning_rate, "num_generations": num_generations}
-    inputs.check_parameters(algorithm, stage_configs, eval_config, knobs, model_name)
+    inputs.check_parameters(algorithm, stage_configs, eval_config, knobs, model_name, gate_metric, gate_mode,
+                            None if pod_gpus < 0 else pod_gpus)
     prints = inputs.fingerprints({"base_model_uri": base_model_uri, "sft_data_uri": sft_data_uri,
                                   "preference_data_uri": preference_data_uri, "prompts_uri": prompts_uri,
                                   "eval_prompts_uri": eval_prompts_uri})
@@ -130,7 +132,7 @@ def ppo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Model
 
 @component
 def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Dataset], reward_model: Input[Model],
-             config: dict, model_name: str, gate_metric: str, min_improvement: float,
+             config: dict, model_name: str, gate_metric: str, gate_mode: str, min_improvement: float,
              metrics: Output[Metrics], report: Output[HTML], results: Output[Dataset]) -> bool:
     """Held-out evaluation (rewards, accuracy, win rate vs @champion, KL to the start); returns whether
     the candidate passes the promotion gate."""
@@ -138,16 +140,16 @@ def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Datas
 
     return launcher.evaluate_stage(config, model_in=policy.path, reference_in=reference.path, dataset=dataset.path,
                                    reward_model=reward_model.path, model_name=model_name, gate_metric=gate_metric,
-                                   min_improvement=min_improvement, metrics_out=metrics, report_out=report,
+                                   gate_mode=gate_mode, min_improvement=min_improvement, metrics_out=metrics, report_out=report,
                                    results_out=results)
 
 
 @component
-def promote(policy: Input[Model], results: Input[Dataset], model_name: str, gate_metric: str,
+def promote(policy: Input[Model], results: Input[Dataset], model_name: str, gate_metric: str, gate_mode: str,
             min_improvement: float, pipeline_run: str, report: Output[HTML]) -> str:
     """Register the evaluated model in MLflow and move @champion to it (old one -> @previous-champion)."""
     from components import launcher
 
     return launcher.promote_stage(model_in=policy.path, results=results.path, model_name=model_name,
-                                  gate_metric=gate_metric, min_improvement=min_improvement,
+                                  gate_metric=gate_metric, gate_mode=gate_mode, min_improvement=min_improvement,
                                   pipeline_run=pipeline_run, report_out=report)

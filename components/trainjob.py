@@ -53,7 +53,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from components.images import TRAINER_IMAGE
 from components.kubejob import KINDS, submit_and_wait
@@ -94,11 +94,15 @@ class MultiNode:
     training_runtime: str = option("torch-distributed", "The ClusterTrainingRuntime a TrainJob runs on.")
     deepspeed: str = option(
         "zero2",
-        "DeepSpeed ZeRO stage (trainer/configs/accelerate/deepspeed_<value>.yaml), or none "
-        "for plain data parallelism (DDP).",
-        choices=("zero2", "zero3", "none"),
+        "DeepSpeed preset as `alignflow train --deepspeed` takes it (trainer/configs/deepspeed_<value>.json): zero2, "
+        "zero3, zero3_offload (optimizer state in CPU memory), or none for plain data parallelism (DDP). Used on "
+        "several ranks; on one GPU (gpus_per_node 1, nodes 1) only when given.",
+        choices=("zero2", "zero3", "zero3_offload", "none"),
     )
-    mixed_precision: str = option("bf16", "accelerate's --mixed_precision.", choices=("bf16", "fp16", "no"))
+    mixed_precision: str = option(
+        "", "accelerate's --mixed_precision: bf16, fp16 or no. Unset: the section's `bf16` / `fp16` when it sets "
+            "them, else bf16 on several ranks; a value that contradicts the section's `bf16` / `fp16` is an error.",
+        choices=("", "bf16", "fp16", "no"))
     cpu_per_node: str = option("", f"CPU request of each node; empty = {CPU_PER_GPU} per GPU.")
     memory_per_node: str = option(
         "", f"Memory request and limit of each node; empty = {MEMORY_GI_PER_GPU}Gi per GPU."
@@ -110,6 +114,21 @@ class MultiNode:
     node_selector: dict = option({}, "Node labels the pods must match.")
     tolerations: list = option(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
 
+    # Set by `split_config`: the keys above the section gave, and its own `bf16` / `fp16` (stage options).
+    given: ClassVar[frozenset[str]] = frozenset()
+    stage_precision: ClassVar[dict[str, bool]] = {}
+
+    def precision(self) -> str:
+        """accelerate's --mixed_precision for these ranks: `mixed_precision`, else the section's bf16/fp16, else bf16."""
+        asked = "bf16" if self.stage_precision.get("bf16") else "fp16" if self.stage_precision.get("fp16") else "no"
+        if self.mixed_precision:
+            if self.stage_precision and asked != self.mixed_precision:
+                said = ", ".join(f"{k}: {str(v).lower()}" for k, v in self.stage_precision.items())
+                raise ConfigError(f"`mixed_precision: {self.mixed_precision}` contradicts the section's {said}; keep "
+                                  "one of them (bf16 / fp16 are the stage's own options, as in TRL).")
+            return self.mixed_precision
+        return asked if self.stage_precision else "bf16"
+
     def check(self, stage: str, stage_config: Any = None) -> None:
         """Errors that say what to change; `stage_config` (the parsed stage config) enables the GRPO checks."""
         for name in ("nodes", "gpus_per_node"):
@@ -118,6 +137,15 @@ class MultiNode:
         if getattr(stage_config, "num_processes", 1) > 1:
             raise ConfigError("`num_processes` is set by the pipeline from `gpus_per_node` (and `nodes`); "
                               "remove it from the section and set `gpus_per_node`.")
+        self.precision()
+        if self.nodes == 1:
+            for key in sorted(self.given & set(POD_KEYS)):
+                where = POD_KEYS[key]
+                raise ConfigError(
+                    f"`{key}` sets the pods of a multi-node job (`nodes` > 1); with `nodes: 1` the {stage} stage runs "
+                    "in the pipeline's training task, whose pod comes from the pipeline config's `cluster.train`"
+                    + (f": set `cluster.train.{where}` there instead." if where else ": remove it (one node needs no "
+                       "job)."))
         if self.nodes == 1 and self.gpus_per_node == 1:
             return
         engine = getattr(stage_config, "rollout_engine", "hf")
@@ -143,12 +171,29 @@ class MultiNode:
                     f"below {1 / self.gpus_per_node:.3f} or lower gpus_per_node."
                 )
 
+    def check_pod(self, pod_gpus: int, stage_config: Any = None) -> None:
+        """A one-node section's ranks match the GPUs of the training task's pod (`cluster.train.gpus`), which
+        every training task gets: the vLLM server of rollout_engine vllm-server may use GPUs beyond them."""
+        if self.nodes > 1:
+            return
+        server = getattr(stage_config, "rollout_engine", "hf") == "vllm-server"
+        if pod_gpus == self.gpus_per_node or (server and pod_gpus > self.gpus_per_node) or (
+                pod_gpus == 0 and self.gpus_per_node == 1):
+            return
+        raise ConfigError(
+            f"`gpus_per_node` is {self.gpus_per_node} but the training tasks' pods have {pod_gpus} GPU(s) "
+            f"(`cluster.train.gpus`, the same for every training stage): make them equal"
+            + (" (more pod GPUs only for rollout_engine vllm-server's server)." if not server else "."))
+
     def rank_options(self) -> dict[str, Any]:
-        """Stage options that make one node's task train on `gpus_per_node` ranks (none for one GPU)."""
+        """Stage options that make one node's task train on `gpus_per_node` ranks; on one GPU, only a `deepspeed`
+        the section gave (one rank under DeepSpeed, as `alignflow train --deepspeed` runs it)."""
+        deepspeed = None if self.deepspeed == "none" else self.deepspeed
         if self.gpus_per_node == 1:
-            return {}
-        return {"num_processes": self.gpus_per_node, "deepspeed": None if self.deepspeed == "none" else self.deepspeed,
-                "bf16": self.mixed_precision == "bf16", "fp16": self.mixed_precision == "fp16"}
+            return {"deepspeed": deepspeed} if "deepspeed" in self.given else {}
+        precision = self.precision()
+        return {"num_processes": self.gpus_per_node, "deepspeed": deepspeed,
+                "bf16": precision == "bf16", "fp16": precision == "fp16"}
 
     def resources(self, gpus: int) -> dict[str, dict[str, str]]:
         cpu = self.cpu_per_node or str(CPU_PER_GPU * gpus)
@@ -159,6 +204,13 @@ class MultiNode:
         }
 
 
+# Keys that set the pods of a multi-node job -> the `cluster.train` key that sets a one-node task's pod
+# ("" when one node has nothing to set).
+POD_KEYS = {"node_selector": "node_selector", "tolerations": "tolerations", "cpu_per_node": "cpu",
+            "memory_per_node": "memory", "shm_size": "shm_size", "accelerator": "accelerator", "job_kind": "",
+            "training_runtime": ""}
+
+
 def split_config(config: dict[str, Any]) -> tuple[MultiNode, dict[str, Any]]:
     """(the multi-node keys as a `MultiNode`, the rest: the stage's own config). Type errors name the key."""
     fields = {f.name: f for f in dataclasses.fields(MultiNode)}
@@ -166,7 +218,10 @@ def split_config(config: dict[str, Any]) -> tuple[MultiNode, dict[str, Any]]:
     for name, value in config.items():
         if name in fields:
             values[name] = _coerce(fields[name], value)
-    return MultiNode(**values), {k: v for k, v in config.items() if k not in fields}
+    multi = MultiNode(**values)
+    multi.given = frozenset(values)
+    multi.stage_precision = {k: bool(config[k]) for k in ("bf16", "fp16") if config.get(k) is not None}
+    return multi, {k: v for k, v in config.items() if k not in fields}
 
 
 def _coerce(f: dataclasses.Field, value: Any) -> Any:
@@ -200,7 +255,7 @@ def node_script(stage: str, multi: MultiNode) -> str:
         "--num_machines": multi.nodes,
         "--num_processes": multi.nodes * multi.gpus_per_node,  # accelerate counts all machines' processes
         "--gpu_ids": ",".join(str(i) for i in range(multi.gpus_per_node)),
-        "--mixed_precision": multi.mixed_precision,
+        "--mixed_precision": multi.precision(),
         "--same_network": None,
         "--rdzv_backend": "static",
     }

@@ -103,6 +103,7 @@ def pipeline(argv: list[str]) -> int:
             if args.command == "submit":
                 return _submit(target, config, args)
             cluster.check_cron(args.cron)
+            pipeline_run.validate(config, promotion=False)  # what `submit` checks: every scheduled run reads it
             rid = cluster.schedule(target, args.cron, config, args.experiment, args.job_name,
                                    cache=not args.no_cache)
             print(f"Created recurring run {rid} ({args.cron})")

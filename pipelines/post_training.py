@@ -30,9 +30,10 @@ PIPELINE_NAME = "alignflow-post-training"
 
 
 def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries: int = 2, backoff: str = "60s",
-                  cache: bool = True):
+                  cache: bool = True, pod: bool = True):
     """The post-training pipeline with the given task resources, retry policy and caching (compile-time
-    settings; `cache=False` runs every task every time)."""
+    settings; `cache=False` runs every task every time). `pod=False` (kfp.local) drops the check of the stage
+    sections against the training pod's GPUs, which a local run does not have."""
 
     def task(t, resources: Resources, name: str, cacheable: bool = True):
         return apply(t, resources, retries, cache=cache and cacheable, backoff=backoff).set_display_name(name)
@@ -41,15 +42,16 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
         @dsl.pipeline(name=name)
         def evaluate_and_promote(policy: dsl.Input[dsl.Model], reference: dsl.Input[dsl.Model],
                                  eval_data: dsl.Input[dsl.Dataset], judge: dsl.Input[dsl.Model], eval_config: dict,
-                                 model_name: str, gate_metric: str, min_improvement: float, pipeline_run: str):
+                                 model_name: str, gate_metric: str, gate_mode: str, min_improvement: float,
+                                 pipeline_run: str):
             # Not cached: the gate compares with the registry's current champion, which is no input.
             evaluation = task(stages.evaluate(
                 policy=policy, reference=reference, dataset=eval_data, reward_model=judge, config=eval_config,
-                model_name=model_name, gate_metric=gate_metric, min_improvement=min_improvement),
+                model_name=model_name, gate_metric=gate_metric, gate_mode=gate_mode, min_improvement=min_improvement),
                 train, "evaluate", cacheable=False)
             with dsl.If(evaluation.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (KFP condition)
                 task(stages.promote(policy=policy, results=evaluation.outputs["results"], model_name=model_name,
-                                    gate_metric=gate_metric, min_improvement=min_improvement,
+                                    gate_metric=gate_metric, gate_mode=gate_mode, min_improvement=min_improvement,
                                     pipeline_run=pipeline_run), light, "promote", cacheable=False)
 
         return evaluate_and_promote
@@ -80,6 +82,7 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
         eval_config: dict = {},  # noqa: B006
         model_name: str = "alignflow-policy",
         gate_metric: str = "reward",
+        gate_mode: str = "auto",
         min_improvement: float = 0.0,
     ):
         """SFT, reward model, GRPO, DPO or PPO, evaluation and gated promotion in the MLflow model registry.
@@ -118,6 +121,8 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
             model_name: The MLflow registered model to promote into (its `@champion` alias moves when the gate passes).
             gate_metric: The evaluation metric the candidate must beat the current champion on (e.g. reward,
                 accuracy).
+            gate_mode: Which way `gate_metric` improves: auto (known for alignflow's metrics: loss and kl lower,
+                reward, accuracy, win_rate higher; any other metric fails check-inputs), max or min.
             min_improvement: How much the candidate must beat the champion by on `gate_metric` (0 = strictly better).
         """
         run_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
@@ -128,12 +133,13 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
                 algorithm=algorithm, sft_config=sft_config, reward_config=reward_config, dpo_config=dpo_config,
                 grpo_config=grpo_config, ppo_config=ppo_config, eval_config=eval_config, max_steps=max_steps,
                 learning_rate=learning_rate, num_generations=num_generations, model_name=model_name,
+                gate_metric=gate_metric, gate_mode=gate_mode, pod_gpus=train.gpus if pod else -1,
                 base_model_uri=base_model_uri,
                 sft_data_uri=sft_data_uri, preference_data_uri=preference_data_uri, prompts_uri=prompts_uri,
                 eval_prompts_uri=eval_prompts_uri), light, "check-inputs", cacheable=False)
             fingerprint = check.outputs
             params = {"algorithm": algorithm, "skip_sft": skip_sft, "skip_reward_model": skip_reward_model,
-                      "model_name": model_name, "gate_metric": gate_metric}
+                      "model_name": model_name, "gate_metric": gate_metric, "gate_mode": gate_mode}
             start = task(stages.start_run(pipeline_name=PIPELINE_NAME, pipeline_run=run_name, params=params),
                          light, "start-run", cacheable=False).after(check)
             # reimport=False: one artifact per URI, so its name (part of the cache key) is stable across runs.
@@ -153,7 +159,8 @@ def make_pipeline(train: Resources = TRAINING, light: Resources = LIGHT, retries
                                              **knobs), train, "reward-model").after(start)
             evaluation = dict(reference=policy.outputs["model"], eval_data=eval_data.output,
                               judge=judge.outputs["model"], eval_config=eval_config, model_name=model_name,
-                              gate_metric=gate_metric, min_improvement=min_improvement, pipeline_run=run_name)
+                              gate_metric=gate_metric, gate_mode=gate_mode, min_improvement=min_improvement,
+                              pipeline_run=run_name)
             # One branch per algorithm in components.inputs.ALGORITHMS.
             with dsl.If(algorithm == "grpo", name="grpo"):
                 trained = task(stages.grpo(policy=policy.outputs["model"], dataset=prompts.output,

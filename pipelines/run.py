@@ -44,6 +44,7 @@ class PipelineConfig:
     evaluate: dict[str, Any] = field(default_factory=dict)
     model_name: str = "alignflow-policy"
     gate_metric: str = "reward"
+    gate_mode: str = "auto"
     min_improvement: float = 0.0
     cluster: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -60,7 +61,7 @@ class PipelineConfig:
             "num_generations": int(self.num_generations),
             "sft_config": self.sft, "reward_config": self.reward, "dpo_config": self.dpo,
             "grpo_config": self.grpo, "ppo_config": self.ppo, "eval_config": self.evaluate, "model_name": self.model_name,
-            "gate_metric": self.gate_metric, "min_improvement": float(self.min_improvement),
+            "gate_metric": self.gate_metric, "gate_mode": self.gate_mode, "min_improvement": float(self.min_improvement),
         }
 
 
@@ -91,9 +92,10 @@ def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = No
     return PipelineConfig(**values)
 
 
-def validate(config: PipelineConfig, promotion: bool = True) -> None:
+def validate(config: PipelineConfig, promotion: bool = True, local: bool = False) -> None:
     """Check every stage option, dataset and service the run will touch, before any task starts
-    (the pipeline's first task checks the parameters again, for runs started from the KFP UI)."""
+    (the pipeline's first task checks the parameters again, for runs started from the KFP UI). `local`: a
+    kfp.local run, whose tasks have no pods (`cluster.train` is not checked against the stage sections)."""
     from components.inputs import check_parameters
 
     if not config.base_model:
@@ -104,9 +106,11 @@ def validate(config: PipelineConfig, promotion: bool = True) -> None:
         raise ConfigError(f"`datasets` needs the keys {', '.join(DATASET_KEYS)}; missing {', '.join(missing)}.")
     knobs = {"max_steps": config.max_steps, "learning_rate": config.learning_rate,
              "num_generations": config.num_generations}
+    pod_gpus = None if local else train_resources(config).gpus
     stage_configs = {"sft": config.sft, "reward": config.reward, "dpo": config.dpo, "grpo": config.grpo,
                      "ppo": config.ppo}
-    check_parameters(config.algorithm, stage_configs, config.evaluate, knobs, config.model_name)
+    check_parameters(config.algorithm, stage_configs, config.evaluate, knobs, config.model_name, config.gate_metric,
+                     config.gate_mode, pod_gpus)
     for name in ("base_model", *[f"datasets.{k}" for k in DATASET_KEYS]):
         value = config.base_model if name == "base_model" else config.datasets[name.split(".")[1]]
         uri = _artifact_uri(value) if name == "base_model" else _dataset_uri(value)
@@ -146,14 +150,28 @@ def _check_tracking() -> None:
                           "answers /health.")
 
 
-def build_pipeline(config: PipelineConfig | None = None, retries: int = 2, backoff: str = "60s", cache: bool = True):
-    """The pipeline function with the config's cluster resources (`cluster.train`, `cluster.light`)."""
-    from pipelines.kubernetes import LIGHT, TRAINING
+def train_resources(config: PipelineConfig | None):
+    """What a training task's pod asks for: `components.kubernetes.TRAINING` with the config's `cluster.train`."""
+    from components.kubernetes import TRAINING
+
+    cluster = (config.cluster if config else None) or {}
+    try:
+        return dataclasses.replace(TRAINING, **cluster.get("train", {}))
+    except TypeError as err:
+        raise ConfigError(f"`cluster.train`: {err}; its keys are {', '.join(f.name for f in dataclasses.fields(TRAINING))}."
+                          ) from None
+
+
+def build_pipeline(config: PipelineConfig | None = None, retries: int = 2, backoff: str = "60s", cache: bool = True,
+                   local: bool = False):
+    """The pipeline function with the config's cluster resources (`cluster.train`, `cluster.light`); `local`:
+    for kfp.local, which runs no pods."""
+    from pipelines.kubernetes import LIGHT
     from pipelines.post_training import make_pipeline
 
     cluster = (config.cluster if config else None) or {}
-    return make_pipeline(dataclasses.replace(TRAINING, **cluster.get("train", {})),
-                         dataclasses.replace(LIGHT, **cluster.get("light", {})), retries, backoff, cache)
+    return make_pipeline(train_resources(config), dataclasses.replace(LIGHT, **cluster.get("light", {})), retries,
+                         backoff, cache, pod=not local)
 
 
 def compile_pipeline(out: str, config: PipelineConfig | None = None, cache: bool = True) -> str:
@@ -189,7 +207,7 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
     output_path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_path / 'mlflow.db'}")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    validate(config)
+    validate(config, local=True)
     _check_single_node(config)
     local_root = output_path / "pipeline-root"
     if pipeline_root and storage.is_remote(pipeline_root):
@@ -207,7 +225,7 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
     log_dir = output_path / "logs"
     with task_console(log_dir, verbose) as console:
         try:
-            build_pipeline(config, retries=retries, backoff="2s")(**config.arguments())
+            build_pipeline(config, retries=retries, backoff="2s", local=True)(**config.arguments())
         except RuntimeError as err:
             if not console.summary.failed:
                 raise

@@ -260,7 +260,10 @@ def _promote(argv: list[str]) -> int:
                         "champion on (default: reward).")
     parser.add_argument("--min-improvement", type=float, default=0.0,
                         help="Margin the candidate must beat the champion by (default 0: strictly better).")
-    parser.add_argument("--lower-is-better", action="store_true", help="The gate metric improves downwards (a loss).")
+    parser.add_argument("--gate-mode", choices=registry.GATE_MODES, default="auto",
+                        help="Which way the gate metric improves: auto (known for alignflow's metrics: loss and kl "
+                             "lower, reward, accuracy, win_rate higher; any other metric is refused), max or min.")
+    parser.add_argument("--lower-is-better", action="store_true", help="Same as --gate-mode min.")
     parser.add_argument("--force", action="store_true", help="Skip the gate: make the candidate champion anyway.")
     parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="Extra version tag (repeat).")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI).")
@@ -283,7 +286,7 @@ def _promote(argv: list[str]) -> int:
             parser.error(f"--tag takes KEY=VALUE, got {bad[0]!r}")
         result = registry.promote(
             args.model_name, args.checkpoint, metrics, gate_metric=args.gate_metric,
-            min_improvement=args.min_improvement, higher_is_better=not args.lower_is_better,
+            min_improvement=args.min_improvement, gate_mode="min" if args.lower_is_better else args.gate_mode,
             tags=dict(t.split("=", 1) for t in args.tag), tracking_uri=args.tracking_uri, run_id=args.run_id,
             force=args.force)
     print(json.dumps(dataclasses.asdict(result), indent=2))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import math
 import os
@@ -108,6 +109,11 @@ class TrainConfig:
     eval_dataset: str | None = option(None, "Held-out data in the same format as `dataset` (optional).")
     eval_split_ratio: float = option(0.0, "When no `eval_dataset` is given, hold out this fraction of `dataset` "
                                           "for evaluation (0 = no evaluation).", aliases=("test_split_size",))
+    dataset_test_split: str | None = option(
+        None, "Evaluate on this split of `dataset` (TRL's name), for datasets with splits: hub ids, saved "
+              "DatasetDicts, folders with a dataset card. A dataset without that split (a single file has none) is an "
+              "error. TRL's `eval_strategy: no` turns it off; `eval_strategy: steps` without other held-out data "
+              "sets it to TRL's default, `test`.")
     output_dir: str = option("outputs/run", "Where checkpoints and the final model go: a local folder or s3:// prefix.")
     chat_template_path: str | None = option(
         None, "Chat template to use instead of the tokenizer's (for base models without one): a Jinja file, or a "
@@ -147,7 +153,18 @@ class TrainConfig:
     warmup_ratio: float = option(0.0, "Fraction of the total steps spent warming the learning rate up from 0.")
     seed: int = option(42, "Seed for model init, data order and sampling.")
 
+    per_device_eval_batch_size: int = option(
+        0, "Examples per evaluation forward pass on each device (GRPO/PPO: completions, rounded to whole groups); "
+           "0 = `per_device_batch_size`. Evaluation metrics do not depend on it, its memory does.")
+
     # --- devices and processes -----------------------------------------------------------------
+    use_cpu: bool = option(False, "Train on the CPU even when GPUs are present (TRL's `use_cpu`: accelerate's `cpu`). "
+                                  "Not with `deepspeed` or a vLLM rollout engine.")
+    ddp_timeout: int = option(1800, "Seconds a rank waits for the others at a collective before the run fails "
+                                    "(the process group's timeout; TRL's `ddp_timeout`).")
+    ddp_find_unused_parameters: bool = option(
+        False, "Let DDP look for parameters that get no gradient in a step (TRL's `ddp_find_unused_parameters`), "
+               "for models whose forward skips some; slower. DDP only: DeepSpeed handles them itself.")
     num_processes: int = option(1, "Training processes (ranks) on this machine, one per GPU (or CPU ranks over gloo); "
                                    "above 1 `alignflow train` starts them through `accelerate launch` (docs/scaling.md).")
     deepspeed: str | None = option(None, "DeepSpeed ZeRO: `zero2`, `zero3`, `zero3_offload` (optimizer state in CPU "
@@ -240,6 +257,7 @@ class TrainConfig:
                 raise ConfigError(f"`{name}` must be >= 0, got {getattr(self, name)}.")
         if self.bf16 and self.fp16:
             raise ConfigError("Set either `bf16` or `fp16`, not both.")
+        self._validate_devices()
         if self.num_processes < 1:
             raise ConfigError(f"`num_processes` must be >= 1, got {self.num_processes}.")
         if self.save_minutes < 0:
@@ -257,6 +275,35 @@ class TrainConfig:
             raise ConfigError("`resume_allow_changes` applies to a resumed run: set `resume_from_checkpoint` (a "
                               "checkpoint folder or `auto`), or drop `resume_allow_changes`.")
         check_output_apart(self.output_dir, self.input_paths())
+
+    def _validate_devices(self) -> None:
+        if self.per_device_eval_batch_size < 0:
+            raise ConfigError(f"`per_device_eval_batch_size` must be >= 0 (0 = per_device_batch_size), got "
+                              f"{self.per_device_eval_batch_size}.")
+        if self.ddp_timeout < 1:
+            raise ConfigError(f"`ddp_timeout` must be a whole number of seconds >= 1, got {self.ddp_timeout}.")
+        if self.use_cpu and self.deepspeed:
+            raise ConfigError("`use_cpu` turns DeepSpeed off in accelerate: drop `deepspeed` for CPU ranks (DDP over "
+                              "gloo), or drop `use_cpu` (without GPUs the ranks use the CPU anyway).")
+        if self.use_cpu and getattr(self, "rollout_engine", "hf") != "hf":
+            raise ConfigError(f"`use_cpu` keeps training off the GPUs, but rollout_engine {self.rollout_engine} runs "
+                              "vLLM on them: use rollout_engine hf with use_cpu.")
+        if self.ddp_find_unused_parameters and self.deepspeed:
+            raise ConfigError("`ddp_find_unused_parameters` is a DDP option; DeepSpeed ZeRO handles parameters without "
+                              "gradients itself: drop it, or drop `deepspeed` to use DDP.")
+        if self.dataset_test_split is not None:
+            other = next((n for n in ("eval_dataset", "eval_split_ratio", "dataset_mixture") if getattr(self, n)), None)
+            if other:
+                raise ConfigError(f"`dataset_test_split` is a split of `dataset` to evaluate on; it cannot go with "
+                                  f"`{other}`: keep one source of held-out data.")
+            if self.dataset_test_split == self.dataset_split:
+                raise ConfigError(f"`dataset_test_split` is {self.dataset_test_split!r}, the split trained on "
+                                  "(`dataset_split`): evaluate on another split.")
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Examples per evaluation forward pass on each device (`per_device_eval_batch_size`, else the training one)."""
+        return self.per_device_eval_batch_size or self.per_device_batch_size
 
     def input_paths(self) -> list[tuple[str, str]]:
         """(field, path) of everything the run reads: models, data, chat template, reward-model folders."""
@@ -420,12 +467,13 @@ def _value_argv(key: str, value: Any, source: str, cls: type | None = None) -> l
 
 
 def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str, flag_trl: dict[str, Any] | None = None,
-                  flag_fields: set[str] | frozenset[str] = frozenset()) -> list[str]:
+                  flag_fields: dict[str, Any] | None = None) -> list[str]:
     """Turn YAML overrides (TRL names included) into ``--name value`` tokens so argparse type-checks them too.
 
-    `flag_trl` are TRL-only options from the command line and `flag_fields` the fields set there: TRL options
+    `flag_trl` are TRL-only options from the command line and `flag_fields` the fields set there (name -> value as
+    given, None when it is not a single value): TRL options
     are translated together, and the flags (parsed after these tokens) win over everything here."""
-    from trainer.trl_names import translate
+    from trainer.trl_names import evaluation_off, translate
 
     trl: dict[str, Any] = {}
     resolved: dict[str, Any] = {}
@@ -437,10 +485,14 @@ def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str, flag_trl: d
         if name is not None:
             resolved[name], origin[name] = _trl_value(name, value), str(key)
     trl |= flag_trl or {}
-    translated = translate(trl, set(field_names(cls)), set(resolved) | set(flag_fields), note)
+    flag_fields = flag_fields or {}
+    translated = translate(trl, set(field_names(cls)), set(resolved) | set(flag_fields), note,
+                           values={**resolved, **flag_fields})
     # TRL's `use_peft: false` means full fine-tuning even when the file also sets `lora_r`.
     forced = {"lora_r"} if trl.get("use_peft") is False or trl.get("use_peft") == 0 else set()
     resolved |= {k: v for k, v in translated.items() if k not in resolved or k in forced}
+    if evaluation_off(trl) and resolved.pop("dataset_test_split", None) is not None:
+        note("dataset_test_split ignored: eval_strategy is no, so TRL reads no test split either")
     return [token for key, value in resolved.items() for token in _value_argv(key, value, source, cls)]
 
 
@@ -545,7 +597,7 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser(cls, prog=prog)
     argv, flag_trl = _flags(cls, argv)
-    flag_fields = {t[2:].split("=")[0].replace("-", "_") for t in argv if t.startswith("--")}
+    flag_fields = _flag_values(argv)
     # Find --config without letting argparse complain about anything else yet.
     pre, _ = parser.parse_known_args(argv) if "-h" not in argv and "--help" not in argv else (None, None)
     yaml_argv: list[str] = []
@@ -564,6 +616,22 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
         raise _unknown_field_error(cls, flag.lstrip("-").split("=")[0], "on the command line")
     values = {k: v for k, v in vars(namespace).items() if k != "config"}
     return cls(**values)
+
+
+def _flag_values(argv: list[str]) -> dict[str, Any]:
+    """The fields set by `argv`'s flags: name -> the value given (YAML-parsed; True for a bare flag), or None
+    when it is not a single value."""
+    found: dict[str, Any] = {}
+    for i, token in enumerate(argv):
+        if not token.startswith("--"):
+            continue
+        key, eq, inline = token[2:].partition("=")
+        values = [inline] if eq else list(itertools.takewhile(lambda t: not t.startswith("--"), argv[i + 1:]))
+        try:
+            found[key.replace("-", "_")] = yaml.safe_load(values[0]) if len(values) == 1 else True if not values else None
+        except yaml.YAMLError:
+            found[key.replace("-", "_")] = None
+    return found
 
 
 def _flag_before(argv: list[str], value: str) -> str | None:

@@ -458,8 +458,11 @@ _FINGERPRINTS: dict[tuple[int, str | None], str] = {}
 
 
 def load_train_eval(config) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """A stage's training rows and its held-out rows (`eval_dataset`, or an `eval_split_ratio` split, or None)."""
+    """A stage's training rows and its held-out rows (`eval_dataset`, the `dataset_test_split` split of `dataset`, or
+    an `eval_split_ratio` hold-out; None without any)."""
     rows = train_rows(config)
+    if config.dataset_test_split:
+        return rows, test_split_rows(config)
     if config.eval_dataset:
         name = config.dataset_config if config.eval_dataset == config.dataset else None
         return rows, load_rows(config.eval_dataset, config.dataset_split, name)
@@ -474,7 +477,9 @@ def describe_datasets(config, rows: datasets.Dataset, eval_rows: datasets.Datase
     info = {"train": {"path": dataset_label(config), "fingerprint": dataset_fingerprint(rows), "rows": len(rows),
                       **train_counts}}
     if eval_rows is not None:
-        info["eval"] = {"path": config.eval_dataset or "split", "fingerprint": dataset_fingerprint(eval_rows),
+        where = config.eval_dataset or (f"{config.dataset} [{config.dataset_test_split}]" if config.dataset_test_split
+                                        else "split")
+        info["eval"] = {"path": where, "fingerprint": dataset_fingerprint(eval_rows),
                         "rows": len(eval_rows), **(eval_counts or {})}
     return info
 
@@ -499,6 +504,28 @@ def train_rows(config) -> datasets.Dataset:
     if config.dataset_mixture:
         return load_mixture(config.dataset_mixture)
     return load_rows(config.dataset, config.dataset_split, config.dataset_config)
+
+
+def test_split_rows(config) -> datasets.Dataset:
+    """The `dataset_test_split` split of `dataset` (TRL's eval split). Only sources with splits have one: a
+    single file or a folder of data files would give the training rows again under any split name."""
+    spec, split = config.dataset, config.dataset_test_split
+    local = str(demo_path(spec.partition(":")[2] or "sft")) if spec == "demo" or spec.startswith("demo:") else spec
+    if is_remote(local):
+        local = fetch_to_local(local)
+    path = Path(local)
+    saved = path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists())
+    if path.is_file() or (path.is_dir() and not saved and not (path / "README.md").exists()):
+        raise DataError(f"`dataset_test_split` {split!r}: dataset {spec!r} is {'a single file' if path.is_file() else 'a folder of data files'} "
+                        "and has no splits. Give held-out data as `eval_dataset` (or `eval_split_ratio`), or drop "
+                        "dataset_test_split (TRL's `eval_strategy: no`).")
+    if path.is_dir() and not saved:
+        return _load_with_builder(str(path), config.dataset_config, split)
+    try:
+        return load_rows(spec, split, config.dataset_config)
+    except DataError as err:
+        raise DataError(f"`dataset_test_split` {split!r}: {err}".replace("set `dataset_split`",
+                                                                          "set `dataset_test_split`")) from None
 
 
 def dataset_label(config) -> str:

@@ -58,7 +58,6 @@ def make_accelerator(config):
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import InitProcessGroupKwargs
 
     from trainer.config import ConfigError
 
@@ -78,13 +77,8 @@ def make_accelerator(config):
         # accelerate keeps one state per process; a process that runs several stages (tests,
         # notebooks) starts each one's afresh.
         AcceleratorState._reset_state()
-    kwargs = {}
-    if not torch.cuda.is_available():
-        if deepspeed:
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-        else:
-            kwargs["cpu"] = True
-    accelerator = Accelerator(mixed_precision=precision, **kwargs)
+    accelerator = Accelerator(mixed_precision=precision, **accelerator_kwargs(config, torch.cuda.is_available(),
+                                                                               deepspeed))
     if launched != accelerator.num_processes:
         raise RuntimeError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
                            f"{accelerator.num_processes} ({accelerator.distributed_type}); every rank would train "
@@ -92,6 +86,32 @@ def make_accelerator(config):
     if not accelerator.is_main_process:
         logging.getLogger("trainer").setLevel(logging.WARNING)  # one rank narrates
     return accelerator
+
+
+def accelerator_kwargs(config, cuda: bool, deepspeed: bool) -> dict[str, Any]:
+    """The `Accelerator` arguments besides precision, on a machine with (`cuda`) or without GPUs.
+
+    - `use_cpu`, or no GPU without DeepSpeed: accelerate's `cpu=True` (torchrun's ranks then run as MULTI_CPU
+      ranks over gloo);
+    - no GPU with DeepSpeed: a gloo process group instead (see `make_accelerator`);
+    - the process group waits `ddp_timeout` seconds at a collective (torch's `init_process_group(timeout=)`);
+    - DDP looks for parameters without gradients when `ddp_find_unused_parameters` (DDP's own argument).
+    """
+    from datetime import timedelta
+
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    group = {"timeout": timedelta(seconds=getattr(config, "ddp_timeout", 1800))}
+    kwargs: dict[str, Any] = {}
+    if getattr(config, "use_cpu", False) or (not cuda and not deepspeed):
+        kwargs["cpu"] = True
+    elif not cuda:
+        group["backend"] = "gloo"
+    handlers = [InitProcessGroupKwargs(**group)]
+    if getattr(config, "ddp_find_unused_parameters", False):
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    kwargs["kwargs_handlers"] = handlers
+    return kwargs
 
 
 def describe(accelerator) -> dict[str, Any]:

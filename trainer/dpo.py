@@ -358,7 +358,7 @@ def evaluate(run: StageRunner, data: TokenizedPairs, reference: Reference, pad_i
     config = run.config
     run.module.eval()
     total: dict[str, float] = {}
-    for part in run.rank_slice(len(data)):
+    for part in run.rank_slice(len(data), run.config.eval_batch_size):
         batch = to_device(collate(data, list(part or range(1)), pad_id, pack_to), run.device)
         with run.accelerator.autocast():
             ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "eval")

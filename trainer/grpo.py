@@ -52,7 +52,15 @@ from trainer.completions import (
     use_block_attention,
 )
 from trainer.config import ConfigError, TrainConfig, option
-from trainer.data import DataError, dataset_label, describe_datasets, is_conversational, load_rows, train_rows
+from trainer.data import (
+    DataError,
+    dataset_label,
+    describe_datasets,
+    is_conversational,
+    load_rows,
+    test_split_rows,
+    train_rows,
+)
 from trainer.logprobs import TargetLM
 from trainer.loop import MetricWindow, keep_freed_memory
 from trainer.losses import (
@@ -241,6 +249,9 @@ def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet 
     data = load_prompts(dataset_label(config), config.dataset_split, tokenizer, config, rows=train_rows(config))
     eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
                  if config.eval_dataset else None)
+    if config.dataset_test_split:
+        eval_data = load_prompts(f"{config.dataset} [{config.dataset_test_split}]", config.dataset_test_split,
+                                 tokenizer, config, rows=test_split_rows(config))
     funcs = [load_reward_function(spec, label=config.reward_label, label_score=config.reward_label_score)
              for spec in config.reward_funcs]
     rewards = RewardSet(funcs, reward_names(funcs),
@@ -374,11 +385,19 @@ def log_completions(run: StageRunner, traj: Trajectory, names: list[str], step: 
     run.log_completions(rows, f"completions/step_{step:06d}.json")
 
 
+def eval_prompts_per_batch(config) -> int:
+    """Prompts per evaluation batch on each device: `per_device_eval_batch_size` completions (as in TRL), in whole
+    groups of `num_generations`; unset, a training cycle's prompts."""
+    if not config.per_device_eval_batch_size:
+        return max(1, config.prompts_per_cycle)
+    return max(1, config.per_device_eval_batch_size // getattr(config, "num_generations", 1))
+
+
 def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer,
              sampling: SamplingConfig) -> dict[str, float]:
     """Mean rewards of G sampled completions per held-out prompt (TRL's eval_reward); each rank its share."""
     per_func = []
-    for part in run.rank_slice(len(data.token_ids), max(1, run.config.prompts_per_cycle)):
+    for part in run.rank_slice(len(data.token_ids), eval_prompts_per_batch(run.config)):
         picked = list(part) or [0]  # an empty share still generates (collectives and ZeRO-3 stay in step)
         call = dataclasses.replace(sampling, seed=run.config.seed, prompt_keys=picked)  # the same draws every eval
         completions = engine.generate([data.token_ids[i] for i in picked], call)

@@ -37,6 +37,8 @@ NOT_IDENTITY = frozenset({
     "mlflow_tags", "mlflow_log_checkpoint", "push_to_hub", "hub_model_id", "hub_private_repo",
     "num_sample_completions", "sample_max_new_tokens", "log_completions_steps", "num_completions_to_log",
     "precompute_ref_batch_size", "vllm_gpu_memory_utilization", "vllm_server_devices",
+    "dataset_test_split", "per_device_eval_batch_size",  # what is evaluated, and in which batches
+    "use_cpu", "ddp_timeout", "ddp_find_unused_parameters",  # the devices and how long ranks wait for each other
 })
 LENGTH = ("max_steps", "num_epochs")
 LORA_DETAILS = ("lora_alpha", "lora_dropout", "lora_target_modules")  # compared only when LoRA is on

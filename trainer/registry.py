@@ -13,7 +13,10 @@ for the deprecated stages) mark the state:
 
 The gate: the candidate's ``metrics[gate_metric]`` must beat the champion's stored value of the
 same metric (the ``alignflow.metric.<name>`` tag written when the champion was registered) by
-more than ``min_improvement`` (in the better direction). A candidate that loses is still
+more than ``min_improvement`` (in the better direction). The direction (`gate_direction`) is known for
+the metrics alignflow logs (loss and KL: lower is better; rewards, accuracy, win rate, reward-model
+score: higher); any other metric needs ``gate_mode`` ``max`` or ``min``, and a gate that cannot tell
+is refused before anything is registered. A candidate that loses is still
 registered, tagged with the decision, so every evaluated model stays in the registry's history.
 The first version of a model always becomes champion.
 
@@ -66,6 +69,35 @@ _SKIPPED_DIRS = (ckpt.STATE_DIR,)  # optimizer states are not part of a served m
 
 class RegistryError(RuntimeError):
     """Promotion cannot go ahead; the message names the URI, model or metric and the fix."""
+
+
+# Metrics alignflow logs whose better direction is known (fnmatch patterns): evaluation (trainer/evaluate.py)
+# and the stages' own (docs/trl.md names). A name in neither list needs `gate_mode: max|min`.
+LOWER_IS_BETTER = ("loss", "eval_loss", "*/loss", "kl", "eval_kl", "objective/kl", "ppo/loss/*")
+HIGHER_IS_BETTER = ("reward", "eval_reward", "rewards/*/mean", "eval_rewards/*/mean", "accuracy", "eval_accuracy",
+                    "mean_token_accuracy", "eval_mean_token_accuracy", "win_rate", "rm_score", "rewards/accuracies",
+                    "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins", "margin", "eval_margin",
+                    "objective/scores", "objective/rlhf_reward")
+GATE_MODES = ("auto", "max", "min")
+
+
+def gate_direction(metric: str, mode: str = "auto") -> bool:
+    """Whether a higher `metric` is better: `max` / `min` say so; `auto` knows the metrics alignflow logs
+    (LOWER_IS_BETTER, HIGHER_IS_BETTER) and raises `RegistryError` for any other."""
+    import fnmatch
+
+    if mode not in GATE_MODES:
+        raise RegistryError(f"`gate_mode` is {mode!r}: use auto (the known direction of alignflow's metrics), max "
+                            "(higher is better) or min (lower is better).")
+    if mode != "auto":
+        return mode == "max"
+    if any(fnmatch.fnmatchcase(metric, p) for p in HIGHER_IS_BETTER):
+        return True
+    if any(fnmatch.fnmatchcase(metric, p) for p in LOWER_IS_BETTER):
+        return False
+    raise RegistryError(f"`gate_metric` {metric!r} has no known direction (alignflow knows loss and kl: lower is "
+                        "better; reward, rewards/<name>/mean, accuracy, win_rate, rm_score: higher): set `gate_mode` "
+                        "to max (higher is better) or min (lower is better).")
 
 
 @dataclass(frozen=True)
@@ -318,8 +350,9 @@ def _check_gate(client, model_name: str, candidate: float, gate_metric: str, min
 
 
 def check_gate(model_name: str, metrics: dict[str, float], gate_metric: str = "reward", min_improvement: float = 0.0,
-               higher_is_better: bool = True, tracking_uri: str | None = None) -> tuple[bool, str]:
+               gate_mode: str = "auto", tracking_uri: str | None = None) -> tuple[bool, str]:
     """Whether a candidate with `metrics` would become champion, and why; registers nothing."""
+    higher_is_better = gate_direction(gate_metric, gate_mode)
     if gate_metric not in metrics or not math.isfinite(float(metrics[gate_metric])):
         return False, f"gate metric `{gate_metric}` missing or not finite in {sorted(metrics)}"
     passed, reason, _ = _check_gate(connect(tracking_uri), model_name, float(metrics[gate_metric]), gate_metric,
@@ -328,12 +361,13 @@ def check_gate(model_name: str, metrics: dict[str, float], gate_metric: str = "r
 
 
 def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, float], gate_metric: str = "reward",
-            min_improvement: float = 0.0, higher_is_better: bool = True, tags: dict[str, str] | None = None,
+            min_improvement: float = 0.0, gate_mode: str = "auto", tags: dict[str, str] | None = None,
             tracking_uri: str | None = None, run_id: str | None = None, force: bool = False,
             experiment: str = "alignflow", parent_run_id: str | None = None) -> PromotionResult:
     """Register `checkpoint_dir` as a new version and make it `@champion` if it beats the current one.
 
-    The gate compares ``metrics[gate_metric]`` with the champion's stored value (see module doc);
+    The gate compares ``metrics[gate_metric]`` with the champion's stored value (see module doc), in the
+    direction `gate_mode` gives (`gate_direction`);
     the replaced champion gets the alias ``previous-champion``. `force` skips the gate (e.g. when
     the champion has no stored value of a newly chosen gate metric). Everything that can be checked
     (server, metric, checkpoint folder) is checked before anything is written. `parent_run_id` nests
@@ -342,6 +376,7 @@ def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, floa
     Raises `RegistryError` when the version was registered but `@champion` could not be moved: the
     version is then tagged ``promoted=false`` with the error, and the aliases are as before.
     """
+    higher_is_better = gate_direction(gate_metric, gate_mode)
     if gate_metric not in metrics:
         raise RegistryError(f"Gate metric `{gate_metric}` is not among the candidate's metrics "
                             f"({', '.join(sorted(metrics)) or 'none'}); pick one with --gate-metric.")

@@ -129,7 +129,7 @@ def evaluate(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, f
 
     run.module.eval()
     chosen, rejected = [], []
-    for part in run.rank_slice(len(data)):
+    for part in run.rank_slice(len(data), run.config.eval_batch_size):
         batch = to_device(collate(data, list(part or range(1)), pad_id), run.device)
         with run.accelerator.autocast():
             c, r = pair_rewards(run.model, batch)  # an empty share still runs one forward (ZeRO-3)

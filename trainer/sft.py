@@ -128,7 +128,7 @@ def evaluate(run: StageRunner, data: TokenizedSFT, pad_id: int) -> dict[str, flo
     """Loss and token accuracy on held-out data; each rank scores its share, the sums cross ranks."""
     run.module.eval()
     sums = {"loss": 0.0, "correct": 0.0, "targets": 0.0}
-    for part in run.rank_slice(len(data)):
+    for part in run.rank_slice(len(data), run.config.eval_batch_size):
         weight = 1.0 if len(part) else 0.0  # an empty share still runs one forward (ZeRO-3 gathers collectively)
         batch = to_device(collate(data, [[i] for i in (part or range(1))], pad_id, False), run.device)
         with run.accelerator.autocast():

@@ -94,9 +94,6 @@ KNOWN: dict[str, Known] = {
                                     "with `alignflow eval` and `alignflow promote`"),
     "metric_for_best_model": unset("not supported (see `load_best_model_at_end`)"),
     "greater_is_better": any_value("only used with `metric_for_best_model`, which is not supported"),
-    "dataset_test_split": any_value(EVAL_DATA + "; TRL reads this split only when `eval_strategy` is not `no`"),
-    "per_device_eval_batch_size": any_value("evaluation batches use `per_device_batch_size` (metrics do not "
-                                            "depend on it)"),
     "eval_accumulation_steps": any_value("evaluation metrics are reduced on the fly"),
     "eval_on_start": unset("not supported: evaluation runs every `eval_steps` and at the end"),
     "eval_delay": unset("not supported: evaluation runs every `eval_steps` and at the end"),
@@ -143,7 +140,6 @@ KNOWN: dict[str, Known] = {
     "remove_unused_columns": any_value("each stage reads the columns it needs; GRPO passes every column to rewards"),
     "group_by_length": unset("not supported: use `packing` (SFT) or `padding_free` (DPO)"),
     "packing_strategy": only(("bfd",), "packing is always best-fit decreasing without cross-example attention"),
-    "padding_free": any_value("SFT packing and batches are already padding-free"),
     "pad_to_multiple_of": unset("not supported"),
     "eos_token": unset("set the eos token in the tokenizer files of `model`"),
     "pad_token": unset("set the pad token in the tokenizer files of `model` (eos is used when it has none)"),
@@ -171,12 +167,9 @@ KNOWN: dict[str, Known] = {
     "fsdp": unset("FSDP is not supported: use `deepspeed zero3`"),
     "fsdp_config": unset("FSDP is not supported: use `deepspeed zero3`"),
     "accelerate_config": unset("set `num_processes` and `deepspeed` (zero2, zero3, zero3_offload or a JSON file)"),
-    "ddp_timeout": any_value("set by the launcher"),
     "ddp_backend": any_value("nccl on GPUs, gloo on CPUs"),
-    "ddp_find_unused_parameters": any_value("set by the runner"),
     "ddp_bucket_cap_mb": any_value("set by the runner"),
     "ddp_broadcast_buffers": any_value("set by the runner"),
-    "use_cpu": any_value("ranks use the GPUs when there are any, the CPU otherwise"),
     "full_determinism": unset("not supported: runs are reproducible from `seed` up to non-deterministic kernels"),
     "do_train": any_value("`alignflow train` always trains"),
     "do_eval": any_value(EVAL_DATA),
@@ -209,7 +202,9 @@ KNOWN: dict[str, Known] = {
     "use_transformers_continuous_batching": unset("not supported: the hf engine uses plain `generate`"),
     "transformers_continuous_batching_config": unset("not supported"),
     "vllm_model_impl": only(("vllm",), "vLLM's own model implementation is used"),
-    "vllm_enable_sleep_mode": any_value("the colocated vLLM engine turns sleep mode on by itself on GPUs"),
+    "vllm_enable_sleep_mode": unset("sleep mode is not implemented: the colocated vLLM engine keeps its weights and "
+                                    "KV cache in GPU memory during the update (on the CPU vLLM cannot sleep at all); "
+                                    "lower `vllm_gpu_memory_utilization`, or use rollout_engine vllm-server"),
     "vllm_structured_outputs_regex": unset("structured outputs are not supported"),
     "vllm_server_base_url": unset("alignflow starts its own server (rollout_engine vllm-server) next to the trainer"),
     "vllm_server_host": any_value("alignflow starts its own server (rollout_engine vllm-server) on localhost"),
@@ -287,15 +282,24 @@ def trl_names() -> frozenset[str]:
 
 
 # Options alignflow spells differently, turned into alignflow fields by `translate`.
-TRANSLATED = frozenset({"use_peft", "use_vllm", "vllm_mode", "warmup_steps", "eval_strategy", "evaluation_strategy"})
+TRANSLATED = frozenset({"use_peft", "use_vllm", "vllm_mode", "warmup_steps", "eval_strategy", "evaluation_strategy",
+                        "padding_free"})
+TRL_TEST_SPLIT = "test"  # TRL's ScriptArguments default for `dataset_test_split`
+PADDING_FREE = ("`padding_free: true` asks for batches without padding; this stage pads its batches (padding-free "
+                "batches are DPO's only, and SFT's with `packing: true`, which packs examples into rows without "
+                "padding or attention across them): remove it")
 
 TRL_LORA_R = 16  # TRL's ModelConfig default rank, used when `use_peft: true` comes without `lora_r`
 
 
-def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Callable[[str], None]) -> dict[str, Any]:
-    """alignflow field values for TRL's `use_peft`, `use_vllm`/`vllm_mode`, `warmup_steps` and `eval_strategy`.
+def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Callable[[str], None],
+              values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """alignflow field values for TRL's `use_peft`, `use_vllm`/`vllm_mode`, `warmup_steps`, `eval_strategy` and
+    `padding_free` (on stages without the field).
 
-    `fields` are the stage's field names and `given` the fields the user set themselves."""
+    `fields` are the stage's field names, `given` the fields the user set themselves and `values` their values
+    where known."""
+    values = values or {}
     out: dict[str, Any] = {}
     if "use_peft" in trl:
         if trl["use_peft"] and "lora_r" not in given:
@@ -316,6 +320,10 @@ def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Call
             note(f"use_vllm {str(bool(trl['use_vllm'])).lower()}"
                  f"{f' with vllm_mode {mode}' if trl['use_vllm'] else ''} is rollout_engine {out['rollout_engine']}")
     out.update(_warmup(trl, given))
+    if trl.get("padding_free") and values.get("packing") is not True:
+        raise ConfigError(PADDING_FREE + ".")
+    if trl.get("padding_free"):
+        note("padding_free with packing: packed rows carry no padding")
     for key in ("eval_strategy", "evaluation_strategy"):
         strategy = trl.get(key)
         if strategy in (None, "no"):
@@ -323,10 +331,15 @@ def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Call
         if strategy != "steps":
             raise ConfigError(f"`{key}: {strategy}` is not supported: evaluation runs every `eval_steps` steps and at "
                               "the end; set eval_steps.")
-        if not given & {"eval_dataset", "eval_split_ratio"}:
-            raise ConfigError(f"`{key}: steps` needs held-out data: {EVAL_DATA} (TRL's `dataset_test_split` is not "
-                              "read); set one of them.")
+        if not given & {"eval_dataset", "eval_split_ratio", "dataset_test_split"} and "dataset_test_split" in fields:
+            out["dataset_test_split"] = TRL_TEST_SPLIT
+            note(f"{key} steps evaluates on the `{TRL_TEST_SPLIT}` split of the dataset (TRL's dataset_test_split)")
     return out
+
+
+def evaluation_off(trl: dict[str, Any]) -> bool:
+    """TRL's `eval_strategy: no` (given): TRL then reads no `dataset_test_split`."""
+    return any(key in trl and trl[key] in ("no", None) for key in ("eval_strategy", "evaluation_strategy"))
 
 
 def _warmup(trl: dict[str, Any], given: set[str]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from components import kubejob, trainjob
 from components.images import TRAINER_IMAGE
@@ -300,7 +301,10 @@ def test_kfp_floats_are_whole_numbers_and_nodes_1_is_the_single_node_path(tiny_m
         "pipelines/configs/demo.yaml",
         {"base_model": tiny_model, "grpo": {"nodes": 1, "gpus_per_node": 2, "num_generations": 4}},
     )
-    pipeline_run.validate(config, promotion=False)  # nodes: 1 is accepted and never reaches the stage
+    pipeline_run.validate(config, promotion=False, local=True)  # nodes: 1 is accepted and never reaches the stage
+    # On a cluster the training pods (cluster.train.gpus, 1 in the demo config) must have those 2 GPUs.
+    with pytest.raises(ConfigError, match=r"`gpus_per_node` is 2 but the training tasks' pods have 1 GPU"):
+        pipeline_run.validate(config, promotion=False)
 
 
 def test_local_run_refuses_several_nodes(tmp_path, tiny_model):
@@ -594,3 +598,57 @@ def test_launcher_path_does_not_import_kfp_kubernetes():
     code = "import sys, components.launcher, components.trainjob; print('kfp.kubernetes' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------------------------
+# Section keys on one node and one GPU: each used, or refused by check-inputs
+
+
+def test_deepspeed_on_one_gpu_reaches_the_stage_when_given():
+    assert trainjob.split_config({})[0].rank_options() == {}  # the zero2 default is for several ranks
+    multi, _ = trainjob.split_config({"deepspeed": "zero3_offload"})
+    assert multi.rank_options() == {"deepspeed": "zero3_offload"}  # one rank under DeepSpeed, as the CLI does
+
+
+def test_zero3_offload_runs_on_several_nodes_from_its_accelerate_file():
+    multi, _ = trainjob.split_config({"nodes": 2, "gpus_per_node": 4, "deepspeed": "zero3_offload"})
+    script = trainjob.node_script("sft", multi)
+    assert "--config_file trainer/configs/accelerate/deepspeed_zero3_offload.yaml" in script
+    accelerate = yaml.safe_load((ROOT / "trainer/configs/accelerate/deepspeed_zero3_offload.yaml").read_text())
+    assert accelerate["deepspeed_config"]["deepspeed_config_file"] == "trainer/configs/deepspeed_zero3_offload.json"
+
+
+def test_a_sections_bf16_sets_the_ranks_precision_and_a_contradiction_is_refused():
+    multi, _ = trainjob.split_config({"gpus_per_node": 2, "bf16": False})
+    assert multi.rank_options()["bf16"] is False and multi.precision() == "no"
+    multi, _ = trainjob.split_config({"nodes": 2, "fp16": True})
+    assert "--mixed_precision fp16" in trainjob.node_script("sft", multi)
+    assert trainjob.split_config({"gpus_per_node": 2})[0].precision() == "bf16"  # neither given: bf16 on several ranks
+    multi, _ = trainjob.split_config({"gpus_per_node": 2, "bf16": False, "mixed_precision": "bf16"})
+    with pytest.raises(ConfigError, match="contradicts the section's bf16: false"):
+        multi.check("sft")
+
+
+@pytest.mark.parametrize("key, value, where", [
+    ("node_selector", {"pool": "a100"}, "cluster.train.node_selector"),
+    ("tolerations", [], "cluster.train.tolerations"),
+    ("cpu_per_node", "16", "cluster.train.cpu"),
+    ("memory_per_node", "64Gi", "cluster.train.memory"),
+    ("shm_size", "16Gi", "cluster.train.shm_size"),
+    ("job_kind", "PyTorchJob", "remove it"),
+])
+def test_pod_keys_on_one_node_are_refused_naming_the_cluster_setting(key, value, where):
+    multi, _ = trainjob.split_config({key: value})
+    with pytest.raises(ConfigError, match=f"`{key}` sets the pods of a multi-node job.*{where}"):
+        multi.check("grpo")
+    trainjob.split_config({key: value, "nodes": 2})[0].check("grpo")  # where they belong
+
+
+def test_one_node_ranks_must_match_the_pods_gpus():
+    multi, _ = trainjob.split_config({"gpus_per_node": 4})
+    multi.check_pod(4)
+    with pytest.raises(ConfigError, match="`gpus_per_node` is 4 but the training tasks' pods have 2 GPU"):
+        multi.check_pod(2)
+    with pytest.raises(ConfigError, match="`gpus_per_node` is 1 but the training tasks' pods have 8 GPU"):
+        trainjob.split_config({})[0].check_pod(8)
+    trainjob.split_config({})[0].check_pod(0)  # a CPU pool: one CPU rank

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -209,3 +210,15 @@ def test_schedule_in_a_namespace(kfp_api, config, token_file, capsys):
     (job,) = api.recurring.values()
     assert job["display_name"] == "nightly" and job["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * *"
     assert api.experiments[job["experiment_id"]]["namespace"] == NAMESPACE
+
+
+def test_schedule_checks_the_config_as_submit_does(kfp_api, config, token_file, capsys):
+    """A recurring run reads the same config every time: a bad section is refused before anything is created."""
+    api = kfp_api()
+    bad = config.replace(".yaml", "-bad.yaml")
+    Path(bad).write_text(Path(config).read_text().replace("gate_metric: reward", "gate_metric: perplexity"))
+    code = cli.main(["pipeline", "schedule", "--host", api.url, "--config", bad, "--namespace", NAMESPACE,
+                     "--token-file", token_file, "--cron", "0 0 3 * * *"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no known direction" in err and "gate_mode" in err
+    assert not api.recurring

@@ -280,7 +280,7 @@ def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(default_yaml
 def test_every_pipeline_parameter_is_described_for_the_ui(default_yaml):
     spec = next(yaml.safe_load_all(default_yaml))
     parameters = spec["root"]["inputDefinitions"]["parameters"]
-    assert len(parameters) == 20
+    assert len(parameters) == 21
     undescribed = [name for name, p in parameters.items() if len(p.get("description", "")) < 20]
     assert undescribed == []
     assert "`grpo`, `dpo` or `ppo`" in parameters["algorithm"]["description"]

@@ -20,6 +20,7 @@ from trainer.registry import (
     champion_uri,
     download_champion,
     gate,
+    gate_direction,
     promote,
     register_checkpoint,
     rollback,
@@ -115,17 +116,38 @@ def test_version_tags_and_artifacts(uri, client, tmp_path):
 
 
 def test_lower_is_better_and_min_improvement(uri, client, tmp_path):
+    """`loss` is known to improve downwards: the default gate_mode (auto) never promotes a higher loss."""
     name = _name()
     assert promote(name, fake_checkpoint(tmp_path / "a", "a"), {"loss": 1.0}, gate_metric="loss",
-                   higher_is_better=False, tracking_uri=uri).promoted
+                   tracking_uri=uri).promoted
     higher = promote(name, fake_checkpoint(tmp_path / "b", "b"), {"loss": 1.2}, gate_metric="loss",
-                     higher_is_better=False, tracking_uri=uri)
+                     tracking_uri=uri)
     small = promote(name, fake_checkpoint(tmp_path / "c", "c"), {"loss": 0.95}, gate_metric="loss",
-                    higher_is_better=False, min_improvement=0.1, tracking_uri=uri)
+                    min_improvement=0.1, tracking_uri=uri)
     big = promote(name, fake_checkpoint(tmp_path / "d", "d"), {"loss": 0.8}, gate_metric="loss",
-                  higher_is_better=False, min_improvement=0.1, tracking_uri=uri)
+                  min_improvement=0.1, tracking_uri=uri)
     assert (higher.promoted, small.promoted, big.promoted) == (False, False, True)
     assert _aliases(client, name) == {CHAMPION: big.version, PREVIOUS_CHAMPION: "1"}
+
+
+@pytest.mark.parametrize("metric, mode, higher", [
+    ("loss", "auto", False), ("eval_loss", "auto", False), ("kl", "auto", False), ("objective/kl", "auto", False),
+    ("reward", "auto", True), ("rewards/exact_answer/mean", "auto", True), ("accuracy", "auto", True),
+    ("win_rate", "auto", True), ("rm_score", "auto", True), ("rewards/kl/mean", "auto", True),
+    ("completions/mean_length", "max", True), ("completions/mean_length", "min", False), ("reward", "min", False),
+])
+def test_gate_direction_is_known_for_alignflows_metrics_and_set_for_others(metric, mode, higher):
+    assert gate_direction(metric, mode) is higher
+
+
+def test_a_gate_without_a_direction_is_refused_before_anything_is_written(uri, tmp_path):
+    with pytest.raises(RegistryError, match="no known direction.*gate_mode"):
+        promote(_name(), fake_checkpoint(tmp_path / "a", "a"), {"perplexity": 3.0}, gate_metric="perplexity",
+                tracking_uri=uri)
+    with pytest.raises(RegistryError, match="gate_mode"):
+        gate_direction("reward", "up")
+    assert promote(_name(), fake_checkpoint(tmp_path / "b", "b"), {"perplexity": 3.0}, gate_metric="perplexity",
+                   gate_mode="min", tracking_uri=uri).promoted
 
 
 def test_gate_rule():

@@ -128,7 +128,6 @@ def test_pipeline_stage_configs_take_trl_names_too():
     ("fsdp", "full_shard", ["fsdp", "deepspeed zero3"]),
     ("dataset_text_field", "content", ["dataset_text_field", "rename the column to `text`"]),
     ("warmup_steps", 100, ["warmup_steps", "warmup_ratio"]),
-    ("eval_strategy", "steps", ["eval_strategy", "eval_dataset"]),
     ("eval_strategy", "epoch", ["eval_strategy", "eval_steps"]),
     ("report_to", "wandb", ["report_to", "wandb", "MLflow only"]),
     ("report_to", ["mlflow", "tensorboard"], ["report_to", "tensorboard", "MLflow only"]),
