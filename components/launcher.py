@@ -17,8 +17,10 @@ from typing import Any
 
 from components import report
 from components.kubernetes import RUN_ID_ENV
-from trainer import checkpoint as ckpt
 from trainer import storage
+
+# trainer.checkpoint (which imports torch, ~1.5 s) is imported where a stage's outputs are read, so that the
+# light tasks (start-run, finish-run, promote's report) start without it.
 
 log = logging.getLogger(__name__)
 SKIPPED = "alignflow.skipped"
@@ -123,6 +125,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     `reward_model` (GRPO, PPO): the reward-model task's output, which joins the reward functions unless
     that task was skipped."""
     from components import inputs, trainjob
+    from trainer import checkpoint as ckpt
     from trainer import launch
     from trainer.config import config_from_dict
     from trainer.stages import stage_parts
@@ -166,6 +169,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
 def training_report(stage: str, model_dir: str) -> report.Report:
     """A training task's page, from its model folder: final metrics and run id (manifest), curves
     (metrics.jsonl) and the completions the stage logged last (manifest `samples`)."""
+    from trainer import checkpoint as ckpt
     from trainer.stages import stage_parts
 
     manifest = ckpt.read_json(storage.join(model_dir, ckpt.MANIFEST))

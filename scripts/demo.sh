@@ -13,9 +13,9 @@ if [[ -z "${PYTHON:-}" ]]; then
     PYTHON=.venv/bin/python
 fi
 export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-# A fresh MLflow store per demo folder (sqlite), unless the caller points at a server.
-export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$(pwd)/$OUT/mlflow.db}
 mkdir -p "$OUT"
+# A fresh MLflow store per demo folder (sqlite), unless the caller points at a server.
+export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$(cd "$OUT" && pwd)/mlflow.db}
 "$PYTHON" -m pipelines.cli model init-tiny --out "$OUT/tiny-model" >"$OUT/init-tiny.log" 2>&1 \
     || { cat "$OUT/init-tiny.log" >&2; exit 1; }
 "$PYTHON" -m pipelines.cli pipeline run --local --config pipelines/configs/demo.yaml --output "$OUT" \

@@ -120,3 +120,13 @@ def test_promote_run_sits_under_the_pipeline_run(client, tmp_path, monkeypatch):
     assert promote_run.data.tags["mlflow.parentRunId"] == parent
     assert promote_run.data.tags["alignflow.stage"] == "promote"
     assert "version 1" in Path(tmp_path / "report.html").read_text()
+
+
+def test_the_pipeline_run_tasks_start_without_torch():
+    """start-run and finish-run open and close an MLflow run: their task process does not import torch (~1.5 s)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from components.launcher import start_pipeline_run, finish_pipeline_run; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
