@@ -265,6 +265,8 @@ class TrainConfig:
         if self.deepspeed and self.deepspeed not in DEEPSPEED_PRESETS and not os.path.isfile(self.deepspeed):
             raise ConfigError(f"`deepspeed` is {self.deepspeed!r}: give one of {', '.join(DEEPSPEED_PRESETS)} or the "
                               "path of a DeepSpeed JSON file.")
+        if self.deepspeed and self.deepspeed not in DEEPSPEED_PRESETS:
+            _check_deepspeed_file(self.deepspeed)
         if self.hub_model_id and not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", self.hub_model_id):
             raise ConfigError(f"`hub_model_id` is {self.hub_model_id!r}; give `owner/name` or `name` (letters, digits, "
                               "`-`, `_`, `.`).")
@@ -616,6 +618,19 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
         raise _unknown_field_error(cls, flag.lstrip("-").split("=")[0], "on the command line")
     values = {k: v for k, v in vars(namespace).items() if k != "config"}
     return cls(**values)
+
+
+def _check_deepspeed_file(path: str) -> None:
+    """A `deepspeed` file is read by every rank after they start: check here that it is a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loaded = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"`deepspeed` file {path!r} is not readable JSON ({err}); give a DeepSpeed config file "
+                          "(JSON), or a preset: " + ", ".join(DEEPSPEED_PRESETS) + ".") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"`deepspeed` file {path!r} holds a JSON {type(loaded).__name__}, not an object of DeepSpeed "
+                          "settings (e.g. {\"zero_optimization\": {\"stage\": 2}}).")
 
 
 def _flag_values(argv: list[str]) -> dict[str, Any]:

@@ -163,6 +163,12 @@ class GRPOConfig(TrainConfig):
             raise ConfigError("`reward_funcs` is empty; give at least one reward function.")
         if self.num_iterations < 1:
             raise ConfigError(f"`num_iterations` must be >= 1, got {self.num_iterations}.")
+        if self.temperature < 0:
+            raise ConfigError(f"`temperature` must be > 0, got {self.temperature}.")
+        if self.temperature == 0:
+            raise ConfigError("`temperature` 0 samples greedily: every completion of a prompt is the same, so every "
+                              "group advantage is 0 and GRPO learns nothing. Use a temperature > 0 (TRL's default "
+                              "is 1.0).")
         if self.max_completion_length < 1 or self.max_prompt_length < 1:
             raise ConfigError("`max_completion_length` and `max_prompt_length` must be >= 1.")
         if self.max_prompt_length + self.max_completion_length > self.max_length:

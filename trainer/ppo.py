@@ -161,6 +161,8 @@ class PPOConfig(TrainConfig):
                      "max_prompt_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.temperature < 0:
+            raise ConfigError(f"`temperature` must be >= 0 (0 = greedy rollouts), got {self.temperature}.")
         if self.batch_size % self.mini_batch_size or self.mini_batch_size % self.per_device_batch_size:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size "
                               f"({self.mini_batch_size}), and that a multiple of per_device_batch_size "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,11 @@ def load_reward_function(spec: str, device: str = "cpu", label: str | None = Non
             module = importlib.import_module(module_name)
         except ImportError as err:
             raise ConfigError(f"Reward function {spec!r}: cannot import module {module_name!r} ({err}).") from err
+        except Exception as err:  # the module's own code failed while it was imported
+            where = traceback.extract_tb(err.__traceback__)[-1]
+            raise ConfigError(f"Reward function {spec!r}: importing module {module_name!r} raised "
+                              f"{type(err).__name__}: {err} ({where.filename}, line {where.lineno}). Fix the module; "
+                              "it must import without errors.") from err
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"Reward function {spec!r}: {module_name!r} has no callable {attr!r}.")

@@ -96,6 +96,8 @@ CASES = [
          ("longprompt.jsonl", "max_length=8", "truncation_mode=keep_start)", "truncation_mode keep_end")),
     Case("sft every row dropped", sft("--dataset", "{d}/longprompt.jsonl", "--max_length", "8",
                                       "--truncation_mode", "drop"), ("longprompt.jsonl", "raise `max_length`")),
+    Case("sft deepspeed file not JSON", sft("--deepspeed", "{d}/file.txt"), ("`deepspeed`", "file.txt", "not readable JSON")),
+    Case("sft deepspeed file a JSON list", sft("--deepspeed", "{d}/list.json"), ("list.json", "JSON list")),
     Case("sft eval_dataset missing", sft("--eval_dataset", "{d}/nope-eval.jsonl"), ("nope-eval.jsonl",)),
     Case("sft eval_dataset and eval_split_ratio", sft("--eval_dataset", "{d}/pc.jsonl", "--eval_split_ratio", "0.5"),
          ("eval_dataset", "eval_split_ratio")),
@@ -189,6 +191,11 @@ CASES = [
          ("user_rewards:good", "ALIGNFLOW_ALLOWED_REWARD_MODULES", "trainer.rewards"), env=ALLOW_ONLY_BUILTINS),
     Case("grpo reward_weights mismatch", grpo("--reward_weights", "1", "2"), ("reward_weights", "reward_funcs")),
     Case("grpo num_generations 1", grpo("--num_generations", "1"), ("num_generations",)),
+    Case("grpo temperature negative", grpo("--temperature", "-1"), ("`temperature`", "-1")),
+    Case("grpo temperature 0 learns nothing", grpo("--temperature", "0"), ("`temperature` 0", "learns nothing", "> 0")),
+    Case("ppo temperature negative", grpo("--temperature", "-1", stage="ppo"), ("`temperature`", ">= 0", "-1")),
+    Case("grpo reward module raises at import", grpo("--reward_funcs", "raising_rewards:good"),
+         ("raising_rewards", "RuntimeError: broken at import", "line 1", "Fix the module")),
     Case("grpo eval_split_ratio", grpo("--eval_split_ratio", "0.2"), ("eval_split_ratio", "eval_dataset")),
     Case("grpo every prompt too long", grpo("--max_prompt_length", "2", "--truncation_mode", "drop"),
          ("prompts.jsonl", "max_prompt_length=2", "truncation_mode keep_end")),
@@ -300,6 +307,8 @@ def data(tmp_path_factory, tiny_model) -> Path:
     # A module whose import fails loudly: validation must find its names without running it.
     (d / "exploding_rewards.py").write_text("raise SystemExit('exploding_rewards was executed')\n\n"
                                             "def good(prompts, completions, **_):\n    return [0.0]\n")
+    (d / "raising_rewards.py").write_text("raise RuntimeError('broken at import')\n\n"
+                                          "def good(prompts, completions, **_):\n    return [0.0]\n")
     (d / "full").mkdir()
     (d / "full" / "metrics.json").symlink_to("/dev/full")  # writes there fail with ENOSPC, as on a full disk
     # Two short runs whose checkpoints the resume cases point at: SFT with the options of `sft()` (so that only
