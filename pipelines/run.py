@@ -89,6 +89,12 @@ def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = No
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" Did you mean `{close[0]}`?" if close else ""
             raise ConfigError(f"Unknown pipeline option `{key}`.{hint} Options: {', '.join(sorted(known))}.")
+    sections = [f.name for f in dataclasses.fields(PipelineConfig) if f.default_factory is dict]
+    for key in sections:
+        if key in values and not isinstance(values[key], dict):
+            example = {"datasets": "{sft: FILE, ...}", "cluster": "{train: {gpus: 1}}"}.get(key, "{max_steps: 100}")
+            raise ConfigError(f"Pipeline option `{key}` is a {type(values[key]).__name__} ({values[key]!r}); it is a "
+                              f"section of `name: value` lines, e.g. `{key}: {example}`.")
     return PipelineConfig(**values)
 
 

@@ -4,6 +4,7 @@ LoRA through peft; gradient checkpointing; a pad token when the tokenizer has no
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,17 @@ def resolve_model_path(spec: str) -> str:
     return spec  # a hub id; from_pretrained reports if it cannot be fetched
 
 
+# Files one of which every saved tokenizer has (fast: tokenizer.json; slow: its vocabulary; any: tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ModelError(f"Model folder {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                         "tokenizer next to the weights (`tokenizer.save_pretrained(folder)`), or copy its files there.")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -107,6 +107,8 @@ CASES = [
     Case("sft model missing", sft("--model", "{d}/nope-model"), ("nope-model", "does not exist", "init-tiny")),
     Case("sft model is a file", sft("--model", "{d}/file.txt"), ("file.txt", "is a file", "config.json")),
     Case("sft model folder without config.json", sft("--model", "{d}/emptydir"), ("emptydir", "config.json")),
+    Case("eval model folder without a tokenizer", evaluate("--model", "{d}/notokenizer"),
+         ("notokenizer", "has no tokenizer", "save_pretrained")),
     Case("sft model is an unfinished checkpoint", sft("--model", "{d}/unfinished"), ("unfinished", "incomplete")),
     Case("sft resume path missing", sft("--resume_from_checkpoint", "{d}/nope-ckpt"),
          ("resume_from_checkpoint", "nope-ckpt", "does not exist")),
@@ -240,6 +242,7 @@ CASES = [
          ("nope.yaml", "does not exist")),
     Case("pipeline validate unknown option", **validate(algoritm="dpo"), needles=("algoritm", "`algorithm`")),
     Case("pipeline validate algorithm", **validate(algorithm="GRPO"), needles=("algorithm", "grpo")),
+    Case("pipeline validate section is a list", **validate(sft=["max_steps"]), needles=("`sft` is a list", "sft: {")),
     Case("pipeline validate dataset missing", **validate(datasets={**PROMPTS, "prompts": "{d}/nope.jsonl"}),
          needles=("datasets.prompts", "nope.jsonl", "does not exist")),
     Case("pipeline validate base_model missing", **validate(base_model="{d}/nope-model"),
@@ -309,6 +312,9 @@ def data(tmp_path_factory, tiny_model) -> Path:
                                             "def good(prompts, completions, **_):\n    return [0.0]\n")
     (d / "raising_rewards.py").write_text("raise RuntimeError('broken at import')\n\n"
                                           "def good(prompts, completions, **_):\n    return [0.0]\n")
+    (d / "notokenizer").mkdir()  # the tiny model's weights and config, its tokenizer left out
+    for name in ("config.json", "model.safetensors"):
+        (d / "notokenizer" / name).write_bytes((Path(tiny_model) / name).read_bytes())
     (d / "full").mkdir()
     (d / "full" / "metrics.json").symlink_to("/dev/full")  # writes there fail with ENOSPC, as on a full disk
     # Two short runs whose checkpoints the resume cases point at: SFT with the options of `sft()` (so that only
