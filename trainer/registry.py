@@ -39,7 +39,10 @@ import contextlib
 import logging
 import math
 import os
+import random
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -400,15 +403,91 @@ def promote(model_name: str, checkpoint_dir: str | None, metrics: dict[str, floa
                         parent_run_id)
     after = before
     if passed:
-        _move_champion(client, model_name, version, before)
-        after = version
-        try:
-            client.set_model_version_tag(model_name, version, PROMOTED_TAG, "true")
-        except Exception as err:  # the alias did move: report success, but say the tag lags
-            log.warning("%s v%s is champion, but its %s tag could not be set to true (%s); it reads 'pending'.",
-                        model_name, version, PROMOTED_TAG, redact_uri(str(err))[:300])
+        with promotion_lock(client, model_name):
+            # Compare-and-set: another promotion may have moved @champion since the gate looked.
+            current = _aliases(client, model_name).get(CHAMPION)
+            if current != before:
+                if force:
+                    before = current
+                else:
+                    passed, again, before = _check_gate(client, model_name, candidate, gate_metric, min_improvement,
+                                                        higher_is_better)
+                    reason = (f"@{CHAMPION} moved from {after} to {current} while this candidate was checked; "
+                              f"against {current}: {again}")
+                    client.set_model_version_tag(model_name, version, "alignflow.promotion.reason", reason[:5000])
+                    if not passed:
+                        client.set_model_version_tag(model_name, version, PROMOTED_TAG, "false")
+                after = before
+            if passed:
+                _move_champion(client, model_name, version, before)
+                after = version
+                try:
+                    client.set_model_version_tag(model_name, version, PROMOTED_TAG, "true")
+                except Exception as err:  # the alias did move: report success, but say the tag lags
+                    log.warning("%s v%s is champion, but its %s tag could not be set to true (%s); it reads "
+                                "'pending'.", model_name, version, PROMOTED_TAG, redact_uri(str(err))[:300])
     log.info("%s v%s: %s; champion %s -> %s.", model_name, version, reason, before, after)
     return PromotionResult(version, passed, reason, before, after)
+
+
+# ----------------------------------------------------------------------------------------------
+# One promotion of a model at a time
+
+LOCK_SUFFIX = ".alignflow-promotion-lock"
+LOCK_SINCE_TAG = "alignflow.lock.since"
+LOCK_WAIT_S = 120.0  # how long a promotion waits for another one of the same model
+LOCK_STALE_S = 600.0  # a lock older than this was left by a promoter that died: it is broken
+
+
+@contextlib.contextmanager
+def promotion_lock(client, model_name: str, wait_s: float = LOCK_WAIT_S, stale_s: float = LOCK_STALE_S
+                   ) -> Iterator[None]:
+    """Hold the promotion lock of `model_name` for the duration: moving `@champion` (and the gate's last look
+    at it) happens in one process at a time, on any machine.
+
+    The lock is a registered model named `<model_name>.alignflow-promotion-lock`, which exists while held: the
+    tracking server's store creates a name once, so of two promoters exactly one creates it, and the other waits
+    (up to `wait_s`) until it is deleted. A lock older than `stale_s` belongs to a promoter that died; it is
+    broken with a warning."""
+    from mlflow.exceptions import MlflowException
+
+    name = model_name + LOCK_SUFFIX
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.create_registered_model(name, tags={LOCK_SINCE_TAG: f"{time.time():.3f}", "alignflow.lock.holder": holder},
+                                           description=f"Held while alignflow promotes a version of {model_name}; "
+                                                       "deleted when it is done.")
+            break
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        try:
+            held = client.get_registered_model(name)
+        except MlflowException:
+            continue  # released in between: try again at once
+        since = float(held.tags.get(LOCK_SINCE_TAG) or 0)
+        if time.time() - since > stale_s:
+            log.warning("Breaking the promotion lock of %s held by %s since %s (older than %.0f s: its promoter "
+                        "died).", model_name, held.tags.get("alignflow.lock.holder", "?"),
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(since)), stale_s)
+            with contextlib.suppress(MlflowException):
+                client.delete_registered_model(name)
+            continue
+        if time.monotonic() > deadline:
+            raise RegistryError(f"Another promotion of {model_name} has held its lock (registered model {name}, "
+                                f"holder {held.tags.get('alignflow.lock.holder', '?')}) for over {wait_s:.0f} s; "
+                                f"try again later, or delete {name} if no promotion is running.")
+        time.sleep(0.05 + 0.15 * random.random())
+    try:
+        yield
+    finally:
+        try:
+            client.delete_registered_model(name)
+        except Exception as err:  # it goes stale and is broken after `stale_s`
+            log.warning("Could not release the promotion lock %s (%s); the next promotion breaks it after %.0f s.",
+                        name, redact_uri(str(err))[:300], stale_s)
 
 
 def _set_alias(client, model_name: str, alias: str, version: str | None) -> None:
@@ -450,6 +529,11 @@ def _move_champion(client, model_name: str, version: str, before: str | None) ->
 def rollback(model_name: str, tracking_uri: str | None = None) -> PromotionResult:
     """Swap `@champion` and `@previous-champion` (a second rollback undoes the first)."""
     client = connect(tracking_uri)
+    with promotion_lock(client, model_name):
+        return _rollback(client, model_name)
+
+
+def _rollback(client, model_name: str) -> PromotionResult:
     aliases = _aliases(client, model_name)
     current, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS_CHAMPION)
     if current is None or previous is None:

@@ -4,6 +4,7 @@ an MLflow model that pyfunc serves, rollback, and the champion as evaluate's bas
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -104,3 +105,79 @@ def test_champion_as_evaluate_baseline(mlflow_server, tiny_model, tmp_path):
                                       baseline_model=champion_uri(name, mlflow_server), max_completion_length=4,
                                       output_dir=str(tmp_path / "eval"), mlflow_tracking_uri=mlflow_server))
     assert metrics["win_rate"] == 0.5 and metrics["num_samples"] == 2
+
+
+RACE_ROUNDS = int(os.environ.get("ALIGNFLOW_RACE_ROUNDS", "8"))  # docs/reliability.md quotes a run with 50
+
+
+def _race(uri: str, model: str, folder: str, rewards: list[float], barrier, results) -> None:
+    """One of two promoters: each round, wait for the other, then promote a candidate with the round's reward."""
+    from trainer.registry import promote
+
+    try:
+        for reward in rewards:
+            barrier.wait(timeout=120)
+            result = promote(model, folder, {"reward": reward}, tracking_uri=uri)
+            results.put((result.version, result.promoted, result.champion_before, result.champion_after))
+            barrier.wait(timeout=120)  # the test checks the registry between rounds
+    except BaseException:
+        barrier.abort()  # the test fails at once instead of waiting out its timeout
+        raise
+
+
+def test_two_promoters_racing_leave_one_consistent_champion(mlflow_server, client, tmp_path):
+    """Two processes promote to the same model at the same moment, round after round. After every round there is
+    one @champion: the best of the versions tagged promoted, each promoted version beat the champion it replaced
+    (no promotion is lost to the other's alias move), none is left pending, and @previous-champion is the one
+    the champion replaced."""
+    import multiprocessing
+    import random
+
+    name = f"race-{uuid.uuid4().hex[:8]}"
+    folder = tmp_path / "candidate"  # stand-in weights, registered as files (quick): all a race needs
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    (folder / ckpt.MANIFEST).write_text(json.dumps({"stage": "grpo"}))
+    (folder / ckpt.COMPLETE_MARKER).write_text("{}")
+    rng = random.Random(7)
+    # Both candidates of round i beat every earlier round's (i + [0, 1)): both pass the gate they see first, and
+    # only the second to move @champion can tell whether it also beats the first.
+    rewards = [[round(i + rng.random(), 4) for i in range(RACE_ROUNDS)] for _ in range(2)]
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(3), context.Queue()
+    racers = [context.Process(target=_race, args=(mlflow_server, name, str(folder), r, barrier, results))
+              for r in rewards]
+    for racer in racers:
+        racer.start()
+    try:
+        for round_ in range(RACE_ROUNDS):
+            barrier.wait(timeout=120)  # go
+            barrier.wait(timeout=120)  # both promotions returned
+            outcomes = [results.get(timeout=10) for _ in racers]
+            versions = client.search_model_versions(f"name='{name}'")
+            tags = {v.version: v.tags for v in versions}
+            assert len(versions) == 2 * (round_ + 1)
+            assert all(t["alignflow.promotion.promoted"] in ("true", "false") for t in tags.values()), "left pending"
+            reward = {v: float(t["alignflow.metric.reward"]) for v, t in tags.items()}
+            promoted = [v for v, t in tags.items() if t["alignflow.promotion.promoted"] == "true"]
+            aliases = _aliases(client, name)
+            champion = aliases[CHAMPION]
+            assert champion in promoted and reward[champion] == max(reward[v] for v in promoted), (aliases, tags)
+            for version, passed, before, _after in outcomes:
+                assert (tags[version]["alignflow.promotion.promoted"] == "true") == passed
+                if passed and before is not None:
+                    assert reward[version] > reward[before], (version, before, tags[version])
+            if PREVIOUS_CHAMPION in aliases:
+                previous = aliases[PREVIOUS_CHAMPION]
+                assert previous in promoted and reward[previous] < reward[champion]
+                assert any(after == champion and before == previous for _, _, before, after in outcomes) or \
+                    not any(passed for _, passed, _, _ in outcomes)
+    finally:
+        barrier.abort()  # (a no-op after the last round; on a failure, the racers stop waiting)
+        for racer in racers:
+            racer.join(timeout=60)
+            if racer.is_alive():
+                racer.kill()
+    assert [racer.exitcode for racer in racers] == [0, 0]
+    assert name + ".alignflow-promotion-lock" not in {m.name for m in client.search_registered_models()}
