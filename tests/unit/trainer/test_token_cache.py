@@ -124,3 +124,38 @@ def test_a_failed_tokenization_leaves_no_entry(tokenizer, cache):
 def test_tokens_are_memory_mapped_not_in_memory(tokenizer, cache):
     data = tokenize_sft(load_rows("demo"), tokenizer, "d", 128, "keep_start")
     assert data.table.cache_files and data.table.cache_files[0]["filename"].startswith(str(cache))
+
+
+RACE = """
+import hashlib, json, logging, os, sys, time
+logging.basicConfig(level=logging.INFO)
+from transformers import AutoTokenizer
+from trainer.data import load_rows, tokenize_sft
+tokenizer, rows = AutoTokenizer.from_pretrained(sys.argv[1]), load_rows("demo:chat")
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))  # both processes map at the same moment
+data = tokenize_sft(rows, tokenizer, "chat", 64, "keep_end")
+print(hashlib.sha256(json.dumps(list(data.input_ids)).encode()).hexdigest())
+"""
+
+
+def test_processes_that_build_one_entry_at_once_agree(tiny_model, cache):
+    """Nodes sharing ALIGNFLOW_CACHE may build the same entry at once: the first rename wins, the other process
+    keeps its own copy's tokens (identical), and one complete entry remains."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    start = str(time.time() + 8)
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, tiny_model, start], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    digests = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(digests) == 1
+    assert sum("Tokenized 300 rows" in err for _, err in outs) == 2  # both built it: the race did happen
+    (entry,) = cache.iterdir()  # no temporary folder left behind
+    assert token_cache.load_entry(entry) is not None
