@@ -8,6 +8,14 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tokenized data (and fetched files) are cached per test session, not in the user's ~/.cache/alignflow.
+if "ALIGNFLOW_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["ALIGNFLOW_CACHE"] = tempfile.mkdtemp(prefix="alignflow-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ALIGNFLOW_CACHE"], True)
 
 # kfp calls inspect.stack() in every resource setter of a pipeline task. `inspect` cannot tell which module
 # a frozen module's code belongs to (`<frozen runpy>` against a path in `__file__`), so each such frame (runpy

@@ -448,3 +448,34 @@ def without_chat_template(tiny_model: str, tmp_path: Path) -> Path:
 CHAT_TEMPLATE = (  # a minimal template, for tokenizers without one
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+# -- tokenized SFT data: the serial in-memory path the Arrow cache replaced ------------------------
+
+
+class SerialSFT:
+    """SFT examples tokenized row by row into Python lists: the path `trainer.data.tokenize_sft` took before its
+    output moved into Arrow files. Tests compare the Arrow path's examples, batches and trained weights with it."""
+
+    def __init__(self, ds, tokenizer, name: str, max_length: int, truncation_mode: str,
+                 completion_only_loss: bool = True, assistant_only_loss: bool = True) -> None:
+        import numpy as np
+
+        from trainer.data import detect_sft_format, tokenize_sft_row, truncate
+
+        fmt = detect_sft_format(ds, name)
+        self.input_ids: list[list[int]] = []
+        self.loss_mask: list[list[int]] = []
+        for index, row in enumerate(ds):
+            ids, mask = tokenize_sft_row(tokenizer, row, fmt, index, completion_only_loss, assistant_only_loss)
+            kept = truncate(ids, mask, max_length, truncation_mode)
+            if kept is not None and sum(kept[1][1:]):
+                self.input_ids.append(kept[0])
+                self.loss_mask.append(kept[1])
+        self.lengths = np.array([len(ids) for ids in self.input_ids], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def row(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": self.input_ids[i], "loss_mask": self.loss_mask[i]}

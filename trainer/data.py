@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -276,18 +277,58 @@ def _assistant_spans(tokenizer, messages: list[dict], row: int) -> tuple[str, li
     return text, spans
 
 
-@dataclass
-class TokenizedSFT:
-    """Token ids and the loss mask (1 = train on this token) of every kept example."""
+KEPT, DROPPED_LONG, DROPPED_NO_LOSS = 0, 1, 2  # the `status` column of tokenized SFT rows
 
-    input_ids: list[list[int]]
-    loss_mask: list[list[int]]
-    num_truncated: int = 0
-    num_dropped_long: int = 0
-    num_dropped_no_loss: int = 0
+SFT_FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int32")),
+    "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    "length": datasets.Value("int32"),
+    "truncated": datasets.Value("bool"),
+    "status": datasets.Value("int8"),
+})
+
+
+class _TokenColumn(Sequence):
+    """One column of the kept examples, read row by row from the memory-mapped Arrow table."""
+
+    def __init__(self, data: TokenizedSFT, column: str) -> None:
+        self.data, self.column = data, column
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.data.row(i)[self.column]
+
+
+class TokenizedSFT:
+    """Token ids and the loss mask (1 = train on this token) of every kept example.
+
+    The tokens stay in an Arrow table (memory-mapped from the tokenized-data cache): one row per input row,
+    with a `status` saying whether it was kept. `rows` maps kept example i to its table row; `lengths` holds
+    the kept examples' token counts (what packing needs), and `row(i)` reads one example."""
+
+    def __init__(self, table: datasets.Dataset) -> None:
+        import numpy as np
+
+        self.table = table
+        columns = table.data  # a datasets Table over the Arrow file
+        status = columns.column("status").to_numpy()
+        self.rows = np.flatnonzero(status == KEPT)  # [N kept] table row of each kept example
+        self.lengths = columns.column("length").to_numpy()[self.rows]
+        self.num_truncated = int(columns.column("truncated").to_numpy(zero_copy_only=False).sum())
+        self.num_dropped_long = int((status == DROPPED_LONG).sum())
+        self.num_dropped_no_loss = int((status == DROPPED_NO_LOSS).sum())
+        self.input_ids = _TokenColumn(self, "input_ids")
+        self.loss_mask = _TokenColumn(self, "loss_mask")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, i: int) -> dict[str, list[int]]:
+        """Example i's `input_ids` and `loss_mask` as lists of ints."""
+        part = self.table.data.fast_slice(int(self.rows[i]), 1)
+        return {"input_ids": part.column("input_ids")[0].as_py(), "loss_mask": part.column("loss_mask")[0].as_py()}
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool, offsets: bool = False):
@@ -353,23 +394,34 @@ def truncate(ids: list[int], mask: list[int], max_length: int, mode: str):
 
 def tokenize_sft(ds: datasets.Dataset, tokenizer, name: str, max_length: int, truncation_mode: str,
                  completion_only_loss: bool = True, assistant_only_loss: bool = True) -> TokenizedSFT:
-    """Tokenize SFT data, apply the length policy and drop examples with nothing to learn."""
+    """Tokenize SFT data into the tokenized-data cache (`trainer.token_cache`), apply the length policy and
+    mark the examples with nothing to learn; a second call with the same rows, tokenizer and options maps the
+    Arrow file the first one wrote."""
+    from trainer.token_cache import cached_map, tokenizer_fingerprint
+
     fmt = detect_sft_format(ds, name)
-    out = TokenizedSFT([], [])
-    for index, row in enumerate(ds):
-        ids, mask = tokenize_sft_row(tokenizer, row, fmt, index, completion_only_loss, assistant_only_loss)
-        if len(ids) > max_length:
-            out.num_truncated += truncation_mode != "drop"
-            out.num_dropped_long += truncation_mode == "drop"
-        kept = truncate(ids, mask, max_length, truncation_mode)
-        if kept is None:
-            continue
-        # The first token is never predicted, so it cannot carry the loss.
-        if sum(kept[1][1:]) == 0:
-            out.num_dropped_no_loss += 1
-            continue
-        out.input_ids.append(kept[0])
-        out.loss_mask.append(kept[1])
+
+    def tokenize_batch(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {key: [] for key in SFT_FEATURES}
+        for k, index in enumerate(indices):
+            row = {column: values[k] for column, values in batch.items()}
+            ids, mask = tokenize_sft_row(tokenizer, row, fmt, index, completion_only_loss, assistant_only_loss)
+            kept = truncate(ids, mask, max_length, truncation_mode)
+            if kept is None:
+                status, kept = DROPPED_LONG, ([], [])
+            else:  # the first token is never predicted, so it cannot carry the loss
+                status = KEPT if sum(kept[1][1:]) else DROPPED_NO_LOSS
+            for key, value in (("input_ids", kept[0]), ("loss_mask", kept[1]), ("length", len(kept[0])),
+                               ("truncated", len(ids) > max_length and truncation_mode != "drop"),
+                               ("status", status)):
+                out[key].append(value)
+        return out
+
+    options = {"format": fmt, "max_length": max_length, "truncation_mode": truncation_mode,
+               "completion_only_loss": completion_only_loss, "assistant_only_loss": assistant_only_loss}
+    table = cached_map(ds, "sft", {"data": dataset_fingerprint(ds), "tokenizer": tokenizer_fingerprint(tokenizer),
+                                   **options}, tokenize_batch, SFT_FEATURES, f"Tokenizing {name}")
+    out = TokenizedSFT(table)
     report_lengths(name, len(ds), max_length, truncation_mode, out.num_truncated, out.num_dropped_long,
                    out.num_dropped_no_loss, len(out))
     return out

@@ -86,9 +86,10 @@ def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool
     for members in rows:
         ids, mask, pos = [], [], []
         for i in members:
-            ids += data.input_ids[i]
-            mask += [0] + data.loss_mask[i][1:]
-            pos += list(range(len(data.input_ids[i])))
+            example = data.row(i)
+            ids += example["input_ids"]
+            mask += [0] + example["loss_mask"][1:]
+            pos += list(range(len(example["input_ids"])))
         seqs.append(ids)
         masks.append(mask)
         positions.append(pos)
@@ -209,10 +210,13 @@ def run_sft(config: SFTConfig) -> str:
     rows, eval_rows = load_train_eval(config)
     tokenize = dict(tokenizer=tokenizer, max_length=config.max_length, truncation_mode=config.truncation_mode,
                     completion_only_loss=config.completion_only_loss, assistant_only_loss=config.assistant_only_loss)
-    train_data = tokenize_sft(rows, name=config.dataset, **tokenize)
-    eval_data = tokenize_sft(eval_rows, name=config.eval_dataset or "eval split", **tokenize) if eval_rows else None
+    # One process per node tokenizes into the shared cache; the others then map the files it wrote.
+    with run.accelerator.local_main_process_first():
+        train_data = tokenize_sft(rows, name=config.dataset, **tokenize)
+        eval_data = (tokenize_sft(eval_rows, name=config.eval_dataset or "eval split", **tokenize) if eval_rows
+                     else None)
     # Each schedulable unit is a list of examples: one each, or one packed row each.
-    units = (pack_best_fit([len(x) for x in train_data.input_ids], config.max_length) if config.packing
+    units = (pack_best_fit(train_data.lengths.tolist(), config.max_length) if config.packing
              else [[i] for i in range(len(train_data))])
     steps = total_steps(config, len(units), run.world)
     log.info("SFT: %d examples in %d %s; %d optimizer steps.", len(train_data), len(units),

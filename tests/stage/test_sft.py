@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import CHAT_TEMPLATE, history, without_chat_template
+from tests.helpers import CHAT_TEMPLATE, SerialSFT, history, weights, without_chat_template
 from trainer import checkpoint as ckpt
 from trainer.config import parse_config
 from trainer.models import load_causal_lm, load_tokenizer
@@ -61,6 +61,31 @@ def test_packing_trains(tiny_model, tmp_path):
     run_sft(sft_config(tiny_model, out, packing=True, per_device_batch_size=2, max_length=256, max_steps=30))
     losses = [r["loss"] for r in history(out)]
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_arrow_data_trains_the_same_weights_as_the_serial_path(tiny_model, tmp_path, monkeypatch, caplog, packing):
+    """The tokens in Arrow (first run: tokenized; second: read from the cache) train exactly the weights that the
+    serial in-memory path trained (`tests.helpers.SerialSFT`); chat data with max_length 64 truncates half the rows."""
+    import trainer.sft
+
+    monkeypatch.setenv("ALIGNFLOW_CACHE", str(tmp_path / "cache"))
+    args = dict(dataset="demo:chat", max_length=64, truncation_mode="keep_end", packing=packing, max_steps=4,
+                per_device_batch_size=4, eval_split_ratio=0.1)
+    for name in ("arrow", "cached"):
+        with caplog.at_level("INFO", logger="trainer.token_cache"):
+            run_sft(sft_config(tiny_model, tmp_path / name, **args))
+    assert caplog.text.count("tokenized data from cache") == 2  # the second run's train and eval data
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.sft, "tokenize_sft", SerialSFT)
+        run_sft(sft_config(tiny_model, tmp_path / "serial", **args))
+    serial, start = weights(tmp_path / "serial"), weights(tiny_model)
+    for name in ("arrow", "cached"):
+        arrow = weights(tmp_path / name)
+        assert arrow.keys() == serial.keys()
+        for key in serial:
+            assert torch.equal(arrow[key], serial[key]), f"{name}: {key}"
+    assert any(not torch.equal(serial[k], start[k]) for k in serial)
 
 
 def test_chat_data_trains_on_assistant_turns(tiny_model, tmp_path):

@@ -324,7 +324,7 @@ def test_long_rows_are_dropped_and_counted(tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="trainer.data"):
         out = tokenize_sft(_dataset(rows), tokenizer, "lengths", max_length, "drop")
     assert out.num_dropped_long == 2 and out.num_truncated == 0
-    assert out.input_ids == [ids for ids in full if len(ids) <= max_length]
+    assert list(out.input_ids) == [ids for ids in full if len(ids) <= max_length]
     assert "dropped 2 of 5 rows longer than max_length=20" in caplog.text
 
 
