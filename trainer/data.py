@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -208,6 +209,10 @@ def _load_dir(path: Path, split: str) -> datasets.Dataset:
 
 
 def split_eval(ds: datasets.Dataset, ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    held_out = math.ceil(ratio * len(ds))  # as `train_test_split` counts it
+    if len(ds) - held_out < 1:
+        raise DataError(f"`eval_split_ratio` {ratio:g} of {len(ds)} rows holds out {held_out} and leaves none to train "
+                        "on: lower it, or give the held-out data as `eval_dataset`.")
     parts = ds.train_test_split(test_size=ratio, seed=seed)
     return parts["train"], parts["test"]
 

@@ -98,6 +98,8 @@ CASES = [
                                       "--truncation_mode", "drop"), ("longprompt.jsonl", "raise `max_length`")),
     Case("sft deepspeed file not JSON", sft("--deepspeed", "{d}/file.txt"), ("`deepspeed`", "file.txt", "not readable JSON")),
     Case("sft deepspeed file a JSON list", sft("--deepspeed", "{d}/list.json"), ("list.json", "JSON list")),
+    Case("sft eval_split_ratio leaves nothing to train on", sft("--dataset", "{d}/two.jsonl", "--eval_split_ratio", "0.9"),
+         ("`eval_split_ratio` 0.9 of 2 rows", "leaves none", "eval_dataset")),
     Case("sft eval_dataset missing", sft("--eval_dataset", "{d}/nope-eval.jsonl"), ("nope-eval.jsonl",)),
     Case("sft eval_dataset and eval_split_ratio", sft("--eval_dataset", "{d}/pc.jsonl", "--eval_split_ratio", "0.5"),
          ("eval_dataset", "eval_split_ratio")),
@@ -278,6 +280,7 @@ def data(tmp_path_factory, tiny_model) -> Path:
     d = tmp_path_factory.mktemp("bad-input")
     write_jsonl(d / "pc.jsonl", [{"prompt": f"Q{i}: ", "completion": f"A{i}"} for i in range(4)])
     write_jsonl(d / "text.jsonl", [{"text": "some text"}] * 4)
+    write_jsonl(d / "two.jsonl", [{"text": "one"}, {"text": "two"}])
     write_jsonl(d / "prefs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 4)
     write_jsonl(d / "prompts.jsonl", [{"prompt": f"Say something about {i}.", "answer": "1"} for i in range(4)])
     write_jsonl(d / "wrongcols.jsonl", [{"foo": "x"}])
