@@ -5,7 +5,7 @@ uninterrupted run.
 The kills land anywhere: during imports and model loading, mid-step, while a checkpoint is
 being written or rotated (a random 0-1.5 s after the newest checkpoint, or one or two steps later,
 is complete). Each episode is one output folder killed until a restart finishes; the suite runs
-episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (4 in CI; docs/reliability.md
+episodes until `ALIGNFLOW_FAULT_KILLS` kills per stage (3 in CI; docs/reliability.md
 quotes a run with 20). `ALIGNFLOW_FAULT_REPORT=FILE` appends each stage's figures as a JSON line.
 The uninterrupted run is a session reference (tests/references.py); the last test kills the SFT run at a
 chosen moment, inside a logging window, and resumes it to that same reference.
@@ -35,7 +35,7 @@ from trainer import checkpoint as ckpt
 from trainer.cli import main
 from trainer.preemption import PREEMPTED_EXIT_CODE
 
-KILLS = int(os.environ.get("ALIGNFLOW_FAULT_KILLS", "4"))
+KILLS = int(os.environ.get("ALIGNFLOW_FAULT_KILLS", "3"))
 STEPS = 8
 COMMON = ("--max_steps", str(STEPS), "--logging_steps", "3", "--save_steps", "1", "--save_total_limit", "2",
           "--disable_progress_bar", "true", "--seed", "5", "--learning_rate", "3e-3")
@@ -141,6 +141,25 @@ def test_sigterm_saves_a_checkpoint_and_auto_resumes_to_the_uninterrupted_run(st
 
     assert main(["train", stage, *args, "--output_dir", str(out)]) == 0
     assert json.loads((out / ckpt.MANIFEST).read_text())["resumed_from"] == str(out / f"checkpoint-{saved[0]}")
+    assert same_run(out, straight) <= 1e-6
+
+
+def test_a_stop_that_misses_its_budget_says_so_and_leaves_the_previous_checkpoint(tiny_model, toy_prompts,
+                                                                                  reference_run, tmp_path):
+    """SFT saving every 2 steps, SIGTERM after step 3 with `stop_budget_seconds` 0.001: the step (and any save
+    begun) cannot end in time, so the watchdog says so in one line and exits 75 at once; checkpoint-2 is the newest
+    complete one (a half-written checkpoint-4 is never marked), and `auto` resumes it to the reference run."""
+    args = (*run_args("sft", tiny_model, toy_prompts), "--save_steps", "2", "--stop_budget_seconds", "0.001")
+    straight, out = reference_run("sft", *run_args("sft", tiny_model, toy_prompts)), tmp_path / "late"
+    stopped = stop_after_step(command("sft", args, out), 3, env())
+    assert stopped.code == PREEMPTED_EXIT_CODE, stopped.stderr[-4000:]
+    missed = [line for line in stopped.stderr.splitlines() if "no checkpoint could be written within" in line]
+    assert len(missed) == 1 and "stop_budget_seconds=0.001 of SIGTERM" in missed[0], stopped.stderr[-4000:]
+    assert "stopped by SIGTERM" not in stopped.stderr
+    assert [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)] == [2]
+
+    assert main(["train", "sft", *args, "--output_dir", str(out)]) == 0
+    assert json.loads((out / ckpt.MANIFEST).read_text())["resumed_from"] == str(out / "checkpoint-2")
     assert same_run(out, straight) <= 1e-6
 
 
