@@ -18,6 +18,7 @@ from typing import Any
 from components import report
 from components.kubernetes import RUN_ID_ENV
 from trainer import storage
+from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 # trainer.checkpoint (which imports torch, ~1.5 s) is imported where a stage's outputs are read, so that the
 # light tasks (start-run, finish-run, promote's report) start without it.
@@ -201,6 +202,8 @@ def run_ranks(stage: str, config) -> None:
         json.dump(values, fh)
         fh.flush()
         code = launch.launch(stage, ["--config", fh.name], config)
+    if code == PREEMPTED_EXIT_CODE:  # stopped by a signal with a checkpoint: this task's retry resumes from it
+        raise Preempted(f"The {config.num_processes} ranks of the {stage} stage were stopped by a signal.")
     if code:
         raise RuntimeError(f"The {config.num_processes} ranks of the {stage} stage failed (exit code {code}); "
                            "the rank logs above say why.")

@@ -8,10 +8,13 @@ module stays cheap for the tests that use none of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -252,7 +255,6 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: f
     """Run `command` (from the repository root, in a process group of its own) and SIGKILL the whole
     group, and every process below it (ranks), as soon as `checkpoint` (a folder, or an s3:// prefix) is
     complete, while it trains on; fails if it ends first or never gets there."""
-    import signal
     import time
 
     from trainer import storage
@@ -274,6 +276,70 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: f
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+@dataclasses.dataclass
+class Stopped:
+    """How a run sent a stop signal ended."""
+
+    code: int  # its exit code
+    stderr: str
+    exit_s: float  # seconds from the signal to the exit
+
+
+def stop_after_step(command: list[str], step: int, env: dict, delay: float = 0.0, sig: int = signal.SIGTERM,
+                    ranks: bool = False, timeout: float = 600) -> Stopped:
+    """Run `command` (from the repository root, in a session of its own) and send it `sig` `delay` seconds after
+    its first progress line of an optimizer step >= `step` (`step N/...`, logged every `logging_steps`) appears on stderr;
+    with `ranks`, to its rank processes (the processes below it running `trainer.cli`) instead of to it.
+    Fails if it ends before that line."""
+    import threading
+    import time
+
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if (logged := re.search(r" step (\d+)/\d+ ", line)) and int(logged.group(1)) >= step:
+                break
+        else:
+            raise AssertionError(f"the run ended before step {step} ({proc.wait()}):\n{''.join(lines)[-4000:]}")
+        time.sleep(delay)
+        sent = time.monotonic()
+        for pid in [p for p in descendants(proc.pid) if "trainer.cli" in _cmdline(p)] if ranks else [proc.pid]:
+            os.kill(pid, sig)
+        lines.append(proc.stderr.read())
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    return Stopped(code, "".join(lines), time.monotonic() - sent)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def comparable(record: dict) -> dict:
+    """A metrics record without its timings (which differ between any two runs)."""
+    timing = ("time", "timing", "runtime", "per_second", "seconds", "memory")
+    return {k: v for k, v in record.items() if isinstance(v, float | int) and not any(t in k for t in timing)}
+
+
+def same_run(out: Path | str, reference: Path | str) -> float:
+    """The largest weight difference between the model in `out` and the uninterrupted run's in `reference`,
+    after asserting that both logged the same metrics (timings aside) at the same steps."""
+    resumed, wanted = ([comparable(r) for r in history(folder)] for folder in (out, reference))
+    assert [r["step"] for r in resumed] == [r["step"] for r in wanted]
+    for got, want in zip(resumed, wanted, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), f"step {want['step']} metrics differ"
+    return max_difference(weights(reference), weights(out))
 
 
 # -- reward models ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ previous complete checkpoint or a folder that readers skip.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -136,13 +137,16 @@ def _write_state(dest: Path, state: TrainState, optimizer, scheduler) -> None:
 
 def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], history: list[dict[str, Any]],
                     state: TrainState | None = None, optimizer=None, scheduler=None,
-                    merge_lora: bool = False, heads: dict[str, Any] | None = None, card: str | None = None) -> str:
+                    merge_lora: bool = False, heads: dict[str, Any] | None = None, card: str | None = None,
+                    commit=None) -> str:
     """Write a complete checkpoint to `dest` (local folder or remote prefix); returns `dest`.
 
     `state`, `optimizer` and `scheduler` make it resumable; leave them out for a final model.
     `heads` (name -> module, e.g. PPO's value head) are saved next to the model as `<name>.safetensors`;
     a head that is a model of its own (PPO's critic) as a model folder `<name>/` with the tokenizer.
     `card`: the model card, written as README.md (`trainer.hub.model_card`; replaces peft's stub).
+    `commit`: a context manager factory held while the completion marker is written
+    (`trainer.preemption.StopSignal.commit`: a stopping run is never ended halfway through the marker).
     """
     check_finite(model)
     remote = storage.is_remote(dest)
@@ -177,7 +181,8 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         if remote:
             storage.upload_dir(staging, dest)
         files = file_list(staging)
-        storage.write_text(marker, json.dumps({"step": manifest.get("step"), "time": time.time(), "files": files}))
+        with commit() if commit else contextlib.nullcontext():
+            storage.write_text(marker, json.dumps({"step": manifest.get("step"), "time": time.time(), "files": files}))
     finally:
         if remote:
             shutil.rmtree(staging, ignore_errors=True)

@@ -175,6 +175,11 @@ class TrainConfig:
     save_minutes: float = option(0.0, "Also save a resumable checkpoint every this many minutes (0 = off); "
                                       "pipelines default to 30.")
     save_total_limit: int = option(2, "Keep at most this many step checkpoints in `output_dir` (0 = keep all).")
+    stop_budget_seconds: float = option(
+        20.0, "On SIGTERM or SIGINT (a preempted or cancelled pod) the run finishes its step, saves a resumable "
+              "checkpoint and exits with code 75, all within this many seconds of the signal; past it, it exits 75 "
+              "at once and `auto` resumes from the previous checkpoint. Keep it below the pod's grace period "
+              "(Kubernetes: 30 s) (docs/reliability.md).")
     logging_steps: int = option(10, "Log metrics every this many steps.")
     eval_steps: int = option(0, "Evaluate every this many steps (0 = only at the end).")
     resume_from_checkpoint: str | None = option(
@@ -262,6 +267,9 @@ class TrainConfig:
             raise ConfigError(f"`num_processes` must be >= 1, got {self.num_processes}.")
         if self.save_minutes < 0:
             raise ConfigError(f"`save_minutes` must be >= 0, got {self.save_minutes}.")
+        if self.stop_budget_seconds <= 0:
+            raise ConfigError(f"`stop_budget_seconds` must be > 0, got {self.stop_budget_seconds}; give the seconds a "
+                              "stopped run may take to save, below the pod's grace period (30 s by default).")
         if self.deepspeed and self.deepspeed not in DEEPSPEED_PRESETS and not os.path.isfile(self.deepspeed):
             raise ConfigError(f"`deepspeed` is {self.deepspeed!r}: give one of {', '.join(DEEPSPEED_PRESETS)} or the "
                               "path of a DeepSpeed JSON file.")

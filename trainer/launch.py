@@ -8,9 +8,11 @@ per rank; inside a rank (`LOCAL_RANK` is set) nothing is launched again. `accele
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -45,7 +47,35 @@ def launch_command(stage: str, argv: list[str], config) -> list[str]:
 
 
 def launch(stage: str, argv: list[str], config) -> int:
-    """Run the stage on `config.num_processes` local ranks; returns the launcher's exit code."""
+    """Run the stage on `config.num_processes` local ranks; returns the launcher's exit code.
+
+    A SIGTERM or SIGINT to this process goes on, once, to `accelerate launch` (torchrun's agent), which
+    passes it to every rank; the ranks stop at the same step with a checkpoint (`trainer.preemption`) and
+    this returns 75. The launcher runs in a session of its own, so that a Ctrl-C in a terminal reaches it
+    only through this process (twice would make the agent cut its wait for the ranks short)."""
+    from trainer.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
+
     command = launch_command(stage, argv, config)
     print(f"alignflow train {stage}: starting {config.num_processes} rank(s): {' '.join(command[2:])}", flush=True)
-    return subprocess.run(command).returncode
+    child = subprocess.Popen(command, start_new_session=True)
+    received: list[str] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if not received:
+            received.append(signal.Signals(signum).name)
+            child.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # (handlers can only be set there)
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS} if main else {}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and code:
+        # The agent reports its own exit (a SignalException), not the ranks' code 75.
+        print(f"alignflow train {stage}: the ranks were stopped by {received[0]} (launcher exit code {code}); exit "
+              f"code {PREEMPTED_EXIT_CODE}: run it again with `resume_from_checkpoint auto` to continue.",
+              file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    return code

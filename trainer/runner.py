@@ -17,6 +17,8 @@ loop; the runner owns the rest, so that no stage quietly ignores an option the o
   checkpoints (under ZeRO-3 with the parameters gathered, an ordinary Hugging Face folder),
   DeepSpeed ranks write their optimizer shards, every `save_steps` steps or `save_minutes`
   minutes; rank 0's MLflow run; a manifest that records world size, device, precision and ZeRO stage.
+- **Preemption** (`trainer.preemption`): inside `failing()` a SIGTERM or SIGINT stops every rank at the
+  same step boundary (`maybe_save`) with a step checkpoint, and the process exits with code 75.
 
 With one process every collective is an identity, so a single-process run computes what it did
 before the runner existed.
@@ -41,6 +43,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer import distributed, hub, identity, storage
 from trainer.loop import MetricWindow, build_optimizer, build_scheduler, set_seed, step_batches
+from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignal
 from trainer.progress import Progress
 from trainer.storage import is_remote
 
@@ -72,7 +75,8 @@ class StageRunner:
     Lifecycle: `StageRunner(stage, config)` -> `resume_checkpoint(model_path, rows)` -> the stage loads its model
     -> `prepare(model, ...)` -> the loop (`rank_batches`, `micro_batch`, `backward`,
     `optimizer_step`, then `end_step`, or `log_step` and `maybe_save`) -> `final_evaluation` ->
-    `finish()`, all inside `with runner.failing():`, which marks the MLflow run FAILED on an exception.
+    `finish()`, all inside `with runner.failing():`, which marks the MLflow run FAILED on an exception and
+    turns SIGTERM / SIGINT into a checkpoint and exit code 75 at the next `maybe_save`.
     The stage sets `tokenizer` (saved with every checkpoint).
     """
 
@@ -99,6 +103,8 @@ class StageRunner:
         self.tokenizer: Any = None
         self.heads: dict[str, torch.nn.Module] = {}
         self._saved_at = time.monotonic()
+        self._saved_step = 0  # the newest step whose checkpoint exists (resumed from or written)
+        self.stop = StopSignal(config.stop_budget_seconds, stage if self.world == 1 else f"{stage} rank {self.rank}")
         self._nonfinite = 0
         log.info("%s: %s, %d process%s (%s), mixed precision %s%s.", stage, self.runtime["device"], self.world,
                  "es" if self.world > 1 else "", self.runtime["distributed_type"], self.runtime["mixed_precision"],
@@ -186,6 +192,7 @@ class StageRunner:
             distributed.load_engine_state(self.accelerator, self.model, self.resume)
             distributed.restore_rank_rng(self.accelerator, self.state.extra.get("rank_rng"))
             self.window.load(distributed.this_rank(self.accelerator, self.state.extra.get("metric_window")))
+            self._saved_step = self.state.global_step
         self.progress = Progress(total_steps, self.state.global_step, self.stage,
                                  config.disable_progress_bar or not self.is_main)
         self.tracker  # noqa: B018 (opens the MLflow run now that setup can no longer fail)
@@ -315,18 +322,39 @@ class StageRunner:
             self.last_metrics.update(metrics)
 
     def maybe_save(self, step: int, span: int = 1) -> None:
-        """A resumable step checkpoint every `save_steps` steps or `save_minutes` minutes (never at the last step)."""
+        """At the end of every optimizer step (`span` of them for RL stages): a resumable step checkpoint every
+        `save_steps` steps or `save_minutes` minutes (never at the last step); after SIGTERM / SIGINT, the stop."""
         config = self.config
         due = bool(config.save_steps) and step % config.save_steps < span
-        if config.save_minutes:
-            late = time.monotonic() - self._saved_at >= 60 * config.save_minutes
-            # Rank 0's clock decides, so that every rank takes part in the same saves (one
-            # all-reduce a step, only when saving by time: steps alone agree on every rank).
-            if self.world > 1:
-                late = bool(self.sum_over_ranks({"late": float(late and self.is_main)})["late"])
-            due = due or late
-        if due and step < self.total_steps:
+        late = bool(config.save_minutes) and time.monotonic() - self._saved_at >= 60 * config.save_minutes
+        stop = self.stop.requested
+        if self.world > 1:
+            # Rank 0's clock decides a save by time, and a signal to any rank stops them all, so that every
+            # rank takes part in the same saves and stops after the same step (one all-reduce a step).
+            votes = self.sum_over_ranks({"late": float(late and self.is_main), "stop": float(stop)})
+            late, stop = votes["late"] > 0, votes["stop"] > 0
+            if stop and not self.stop.requested:
+                self.stop.agreed("another rank's stop signal")
+        if stop:
+            self._stop(step)
+        if (due or late) and step < self.total_steps:
             self.save("step")
+
+    def _stop(self, step: int) -> None:
+        """Save this step's checkpoint (unless it is the one resumed from or just written), then end with
+        `Preempted` (exit code 75): a retry with `resume_from_checkpoint auto` continues from here."""
+        started, where = time.monotonic(), ckpt.step_dir(self.config.output_dir, step)
+        if step > self._saved_step:
+            self.save("step")
+            done = f"saved {where} in {time.monotonic() - started:.2f} s"
+        else:
+            done = f"{where} was saved already"
+        self.stop.saved = done
+        message = (f"{self.stop.who}: stopped by {self.stop.name} after step {step}/{self.total_steps}; {done}, "
+                   f"{self.stop.elapsed():.2f} s after the signal. Exit code {PREEMPTED_EXIT_CODE}: run it again with "
+                   "`resume_from_checkpoint auto` to continue.")
+        log.warning("%s", message)  # (every rank: each says where it stopped)
+        raise Preempted(message)
 
     def manifest(self) -> dict[str, Any]:
         manifest = ckpt.build_manifest(self.stage, self.config, self.config.model, self.datasets, self.last_metrics,
@@ -364,11 +392,14 @@ class StageRunner:
                 if kind == "step":
                     ckpt.save_step_checkpoint(config.output_dir, step, config.save_total_limit, state=self.state,
                                               optimizer=self._checkpoint_optimizer, scheduler=self.scheduler,
-                                              **common)
+                                              commit=self.stop.commit, **common)
                 else:
-                    ckpt.save_checkpoint(config.output_dir, card=hub.model_card(common["manifest"]), **common)
+                    ckpt.save_checkpoint(config.output_dir, card=hub.model_card(common["manifest"]),
+                                         commit=self.stop.commit, **common)
         self.accelerator.wait_for_everyone()
         self._saved_at = time.monotonic()
+        if kind == "step":
+            self._saved_step = step
 
     def finish(self) -> str:
         """Save the final model, record the manifest (and the checkpoint when asked) in MLflow, close the run."""
@@ -388,15 +419,17 @@ class StageRunner:
 
     @contextlib.contextmanager
     def failing(self) -> Iterator[None]:
-        """Mark the MLflow run FAILED (and close the progress bar) when the body raises."""
-        try:
-            yield
-        except BaseException:
-            if hasattr(self, "progress"):
-                self.progress.close()
-            if "tracker" in self.__dict__:
-                self.tracker.finish("FAILED")
-            raise
+        """Mark the MLflow run FAILED, or KILLED when a signal stopped it (and close the progress bar), when the
+        body raises; while inside, SIGTERM and SIGINT stop the run at the next `maybe_save` (`trainer.preemption`)."""
+        with self.stop:
+            try:
+                yield
+            except BaseException as err:
+                if hasattr(self, "progress"):
+                    self.progress.close()
+                if "tracker" in self.__dict__:
+                    self.tracker.finish("KILLED" if isinstance(err, Preempted) else "FAILED")
+                raise
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

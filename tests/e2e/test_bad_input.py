@@ -150,6 +150,7 @@ CASES = [
     Case("sft option not a choice", sft("--truncation_mode", "middle"), ("truncation_mode", "keep_end")),
     Case("sft learning_rate nan", sft("--learning_rate", "nan"), ("learning_rate", "finite")),
     Case("sft learning_rate inf", sft("--learning_rate", "inf"), ("learning_rate", "finite")),
+    Case("sft stop_budget_seconds 0", sft("--stop_budget_seconds", "0"), ("stop_budget_seconds", "grace period")),
     Case("sft max_grad_norm nan", sft("--max_grad_norm", "nan"), ("max_grad_norm", "finite")),
     Case("sft max_steps negative", sft("--max_steps", "-5"), ("max_steps", "-5")),
     Case("sft batch size zero", sft("--per_device_batch_size", "0"), ("per_device_batch_size", ">= 1")),

@@ -130,3 +130,18 @@ def test_the_pipeline_run_tasks_start_without_torch():
     code = "import sys; from components.launcher import start_pipeline_run, finish_pipeline_run; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_ranks_stopped_by_a_signal_end_the_task_with_the_preemption_code(tmp_path, monkeypatch):
+    """A task that starts its ranks in the pod passes the launcher's 75 on (its retry resumes); another code fails."""
+    from trainer import launch
+    from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    config = TrainConfig(model="m", dataset="d", output_dir=str(tmp_path / "out"), num_processes=2)
+    monkeypatch.setattr(launch, "launch", lambda stage, argv, config: PREEMPTED_EXIT_CODE)
+    with pytest.raises(Preempted) as stopped:
+        launcher.run_ranks("sft", config)
+    assert stopped.value.code == PREEMPTED_EXIT_CODE
+    monkeypatch.setattr(launch, "launch", lambda stage, argv, config: 1)
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        launcher.run_ranks("sft", config)
