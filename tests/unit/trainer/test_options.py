@@ -159,6 +159,8 @@ ALLOWED = {
     "max_grad_norm": _LOSS, "max_nonfinite_steps": _LOSS, "seed": "data order and sampling: tests/unit/trainer/test_data.py",
     "save_steps": _RUN, "save_minutes": _RUN, "save_total_limit": _RUN, "logging_steps": _RUN, "eval_steps": _RUN,
     "resume_from_checkpoint": _RUN, "resume_allow_changes": _RUN, "disable_progress_bar": _RUN,
+    "stop_budget_seconds": "how long a stop on SIGTERM may take: seen only when a signal comes "
+                           "(tests/e2e/test_faults.py::test_a_stop_that_misses_its_budget_says_so_and_leaves_the_previous_checkpoint)",
     "lora_merge_on_save": _RUN, "mlflow_experiment": _RUN, "mlflow_run_name": _RUN, "mlflow_parent_run_id": _RUN,
     "mlflow_tags": _RUN, "mlflow_log_checkpoint": _RUN, "output_dir": _RUN,
     "push_to_hub": "checked before training and pushed after it: tests/unit/trainer/test_hub.py",

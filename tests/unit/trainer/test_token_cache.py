@@ -132,25 +132,30 @@ logging.basicConfig(level=logging.INFO)
 from transformers import AutoTokenizer
 from trainer.data import load_rows, tokenize_sft
 tokenizer, rows = AutoTokenizer.from_pretrained(sys.argv[1]), load_rows("demo:chat")
-start = float(sys.argv[2])
-time.sleep(max(0.0, start - time.time()))  # both processes map at the same moment
+# Both processes map at the same moment: each says it is ready (imports take seconds, and longer under load),
+# then waits for the other.
+ready = sys.argv[2]
+open(os.path.join(ready, str(os.getpid())), "w").close()
+deadline = time.time() + 120
+while len(os.listdir(ready)) < 2 and time.time() < deadline:
+    time.sleep(0.005)
 data = tokenize_sft(rows, tokenizer, "chat", 64, "keep_end")
 print(hashlib.sha256(json.dumps(list(data.input_ids)).encode()).hexdigest())
 """
 
 
-def test_processes_that_build_one_entry_at_once_agree(tiny_model, cache):
+def test_processes_that_build_one_entry_at_once_agree(tiny_model, cache, tmp_path):
     """Nodes sharing ALIGNFLOW_CACHE may build the same entry at once: the first rename wins, the other process
     keeps its own copy's tokens (identical), and one complete entry remains."""
     import subprocess
     import sys
-    import time
 
     from tests.helpers import ROOT
 
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
-    start = str(time.time() + 8)
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, tiny_model, start], cwd=ROOT, env=env, text=True,
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, tiny_model, str(ready)], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
