@@ -204,11 +204,8 @@ _NOT_LISTED = re.compile(r"^(checkpoint-\d+|deepspeed|\.alignflow-write-probe-.*
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def file_list(folder: Path) -> list[dict[str, Any]]:

@@ -67,11 +67,8 @@ def cache_key(parts: dict[str, Any]) -> str:
 
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def load_entry(folder: Path) -> datasets.Dataset | None:
