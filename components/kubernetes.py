@@ -1,6 +1,6 @@
 """Kubernetes settings that components need at run time as well as at compile time.
 
-The Secrets that hold S3 and MLflow credentials, the label that lets a pod through the chart's
+The Secrets that hold S3 and MLflow credentials and the Hugging Face token, the label that lets a pod through the chart's
 MLflow NetworkPolicy, the security context of training pods, and the default task resources. The
 pipeline applies them to every task (`pipelines/kubernetes.py`); the multi-node launcher
 (`components/trainjob.py`) gives the pods of a TrainJob the same ones. They live here, the
@@ -20,6 +20,17 @@ SECRET_ENV = {
     MLFLOW_SECRET: {"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
                     "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"},
 }
+
+# The Hugging Face token, only for the pods that load or push models (`Resources.hub_token`: training and
+# evaluation tasks, and every pod of a multi-node job): `push_to_hub`, a gated model or reward model from the
+# Hub. Optional: without the Secret the variable is unset. Never a pipeline parameter, never in the YAML.
+HF_SECRET = "alignflow-hf"
+HUB_SECRET_ENV = {HF_SECRET: {"HF_TOKEN": "HF_TOKEN"}}
+
+# Credentials for a private registry that serves the trainer image: a `kubernetes.io/dockerconfigjson` Secret every
+# task pod and multi-node job pod names in `imagePullSecrets`. Optional as the others are: when it does not exist
+# the kubelet records a warning event and pulls without it (a public registry, or nodes with their own credentials).
+REGISTRY_SECRET = "alignflow-registry"
 
 
 # Pods with this label may reach MLflow (and SeaweedFS) through the chart's NetworkPolicy
@@ -58,8 +69,9 @@ class Resources:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, str]] = field(default_factory=list)
     shm_size: str = "8Gi"
+    hub_token: bool = False  # HF_TOKEN from the HF_SECRET Secret (HUB_SECRET_ENV) in the task's environment
 
 
 LIGHT = Resources(cpu="1", memory="2Gi", shm_size="")
 TRAINING = Resources(cpu="8", memory="32Gi", gpus=1, tolerations=[
-    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], hub_token=True)

@@ -103,7 +103,8 @@ def checkpoint_uri(output_path: str) -> str:
     and the run id comes from the pod's `pipeline/runid` label (RUN_ID_ENV): checkpoints go to
     <root>/<pipeline>/<run id>/checkpoints/<task>. With kfp.local the output path is
     <root>/<pipeline run>/<task>/<output>: checkpoints go to <root>/<pipeline run>/checkpoints/<task>,
-    under the object-store mirror (ALIGNFLOW_PIPELINE_ROOT) when there is one.
+    under the object-store mirror (ALIGNFLOW_PIPELINE_ROOT) when there is one. A stage on several nodes
+    writes there too (from the job's pods), so a retried multi-node task resumes as a single-node one does.
     """
     from components.trainjob import remote_uri
 
@@ -142,29 +143,28 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
         values["mlflow_parent_run_id"] = parent
     if inputs_fingerprint:
         values["mlflow_tags"] = [*values.get("mlflow_tags", []), f"alignflow.inputs_fingerprint={inputs_fingerprint}"]
-    if multi.nodes > 1:
-        trainjob.run_stage(stage, {**values, "output_dir": model_out.path}, multi, model_out=model_out)
-        checkpoints = None
-    else:
+    if multi.nodes == 1:
         multi.check(stage)
-        checkpoints = checkpoint_uri(model_out.path)
-        if ckpt.is_complete(checkpoints):
-            log.info("%s holds this task's finished model (from an earlier attempt); not training again.",
-                     checkpoints)
+    # One prefix for every attempt of this task, on one node or several: a retry resumes from the newest checkpoint.
+    checkpoints = checkpoint_uri(model_out.path)
+    if ckpt.is_complete(checkpoints):
+        log.info("%s holds this task's finished model (from an earlier attempt); not training again.", checkpoints)
+    else:
+        log.info("Checkpoints go to %s; a retry of this task resumes from the newest.", checkpoints)
+        if multi.nodes > 1:
+            trainjob.run_stage(stage, values, multi, output_dir=checkpoints)
         else:
-            log.info("Checkpoints go to %s; a retry of this task resumes from the newest.", checkpoints)
             stage_config = config_from_dict(config_cls, {**values, **multi.rank_options(), "output_dir": checkpoints})
             if launch.needs_launch(stage_config):
                 run_ranks(stage, stage_config)
             else:
                 run(stage_config)
-        trainjob.download_complete(checkpoints, model_out.path)
+    trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
     report.write(report_out.path, report.render(training_report(stage, model_out.path)))
     publish(model_out.path)
-    if checkpoints:
-        storage.remove(checkpoints)  # the model is the task's output now; its checkpoints are spent
+    storage.remove(checkpoints)  # the model is the task's output now; its checkpoints are spent
 
 
 def training_report(stage: str, model_dir: str) -> report.Report:

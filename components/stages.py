@@ -12,6 +12,8 @@ task's cache key is its inputs (model, data and their fingerprint, config, knobs
 its command. Tasks find the parent run from the run id in their environment (components/launcher.py).
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from kfp import dsl
@@ -153,3 +155,19 @@ def promote(policy: Input[Model], results: Input[Dataset], model_name: str, gate
     return launcher.promote_stage(model_in=policy.path, results=results.path, model_name=model_name,
                                   gate_metric=gate_metric, gate_mode=gate_mode, min_improvement=min_improvement,
                                   pipeline_run=pipeline_run, report_out=report)
+
+
+@contextlib.contextmanager
+def image(name: str) -> Iterator[None]:
+    """Every component of this module on image `name` while the block builds and runs a pipeline (a local
+    run in containers uses the CPU build of the trainer image); the compiled default is restored after."""
+    specs = [c.component_spec.implementation.container for c in globals().values()
+             if isinstance(c, dsl.python_component.PythonComponent)]
+    before = [spec.image for spec in specs]
+    for spec in specs:
+        spec.image = name
+    try:
+        yield
+    finally:
+        for spec, old in zip(specs, before):
+            spec.image = old

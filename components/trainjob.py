@@ -11,10 +11,12 @@ followed from the KFP task.
    to /s3/..., /minio/... inside the task's own pod), so they get the artifacts' object-store URIs
    (KFP's own path -> URI mapping; minio:// is read as s3://, the endpoint being AWS_ENDPOINT_URL).
    Each node copies the inputs to its disk once before its ranks start (`prepare-config`): N ranks
-   fetching one URI into one cache folder would overwrite each other's files. The stage writes to
-   `<output artifact URI>.staging`; after the job succeeds the task downloads the final model, only
-   when `alignflow.complete` is there, into the output artifact's path, and KFP uploads it as it
-   does for a single-node stage.
+   fetching one URI into one cache folder would overwrite each other's files. The stage writes its
+   checkpoints and final model to the task's checkpoint prefix (`launcher.checkpoint_uri`: keyed by the
+   pipeline run and the task, the same for every attempt, never the attempt's own output URI), with
+   `resume_from_checkpoint auto`, so a retried task's job resumes from the newest checkpoint; after the
+   job succeeds the task downloads the final model, only when `alignflow.complete` is there, into the
+   output artifact's path, and KFP uploads it as it does for a single-node stage.
 3. **Launch.** Every pod runs `accelerate launch` with the repository's accelerate/DeepSpeed config
    (the image's working directory is the repository root), `--num_machines N`, its rank and the
    rendezvous address from the operator's environment (TrainJob's torch plugin: PET_NODE_RANK,
@@ -34,12 +36,18 @@ followed from the KFP task.
 
 Resources: each node asks for `gpus_per_node` GPUs (+1 for the vLLM servers), CPUs and memory per
 GPU as `components.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
-/dev/shm, and the S3 / MLflow Secrets of `components.kubernetes.SECRET_ENV`.
+/dev/shm, the S3 / MLflow Secrets of `components.kubernetes.SECRET_ENV` and the Hub token's
+(`HUB_SECRET_ENV`).
 
 Security: the pods run as the trainer image's non-root user with the RuntimeDefault seccomp profile,
 no privilege escalation and no capabilities (`components.kubernetes.POD_SECURITY_CONTEXT`), carry
-the label that admits them to MLflow (`MLFLOW_CLIENT_LABEL`), and get no ServiceAccount token: they
-never call the Kubernetes API (the task that submits the job does).
+the label that admits them to MLflow (`MLFLOW_CLIENT_LABEL`), and run as `service_account` when it is
+set. They never call the Kubernetes API (the task that submits the job does). A PyTorchJob's pods get
+no ServiceAccount token (`automountServiceAccountToken: false`); a TrainJob's runtime patch cannot
+carry that field (Trainer 2.3's `runtimePatches` pod spec has no such property: the API server drops
+or refuses it), so a TrainJob's pods keep the token unless `service_account` names an account whose
+`automountServiceAccountToken` is false, as the chart's is. The manifests are validated against the
+CRDs the Kubeflow projects publish (tests/data/crds/).
 """
 
 from __future__ import annotations
@@ -59,8 +67,10 @@ from components.images import TRAINER_IMAGE
 from components.kubejob import KINDS, submit_and_wait
 from components.kubernetes import (
     CONTAINER_SECURITY_CONTEXT,
+    HUB_SECRET_ENV,
     MLFLOW_CLIENT_LABEL,
     POD_SECURITY_CONTEXT,
+    REGISTRY_SECRET,
     SECRET_ENV,
     TRAINING,
 )
@@ -111,6 +121,10 @@ class MultiNode:
         TRAINING.shm_size, "Size of the memory-backed /dev/shm of each node (NCCL, DataLoader)."
     )
     accelerator: str = option(TRAINING.accelerator, "Extended resource name of the GPUs.")
+    service_account: str = option(
+        "", "ServiceAccount the job's pods run as (serviceAccountName); empty: the namespace's `default`. A "
+            "TrainJob cannot turn off the token mount of its pods itself: name an account with "
+            "automountServiceAccountToken false (the chart's `<release>-alignflow`) to keep the token out.")
     node_selector: dict = option({}, "Node labels the pods must match.")
     tolerations: list = option(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
 
@@ -152,7 +166,7 @@ class MultiNode:
         if engine == "vllm":
             raise ConfigError(
                 "rollout_engine=vllm runs vLLM inside the training process, one process only; with "
-                "`gpus_per_node` or `nodes` > 1 use vllm-server (a server per rank) or hf."
+                "`gpus_per_node` or `nodes` > 1 use vllm-server (one server per node) or hf."
             )
         if self.nodes == 1:
             return
@@ -161,14 +175,6 @@ class MultiNode:
                 raise ConfigError(
                     f"`vllm_server_devices` is set by the multi-node launcher (GPU "
                     f"{self.gpus_per_node} of each node, after the training GPUs); remove it."
-                )
-            share = self.gpus_per_node * stage_config.vllm_gpu_memory_utilization
-            if share >= 1:
-                raise ConfigError(
-                    f"The {self.gpus_per_node} ranks of a node each start a vLLM server on the node's "
-                    f"rollout GPU, each taking vllm_gpu_memory_utilization="
-                    f"{stage_config.vllm_gpu_memory_utilization} of it ({share:.2f} in all); set it "
-                    f"below {1 / self.gpus_per_node:.3f} or lower gpus_per_node."
                 )
 
     def check_pod(self, pod_gpus: int, stage_config: Any = None) -> None:
@@ -208,7 +214,7 @@ class MultiNode:
 # ("" when one node has nothing to set).
 POD_KEYS = {"node_selector": "node_selector", "tolerations": "tolerations", "cpu_per_node": "cpu",
             "memory_per_node": "memory", "shm_size": "shm_size", "accelerator": "accelerator", "job_kind": "",
-            "training_runtime": ""}
+            "training_runtime": "", "service_account": ""}
 
 
 def split_config(config: dict[str, Any]) -> tuple[MultiNode, dict[str, Any]]:
@@ -271,10 +277,11 @@ def node_script(stage: str, multi: MultiNode) -> str:
 
 
 def secret_env() -> list[dict[str, Any]]:
-    """The S3 and MLflow variables, by reference to the Secrets the pipeline's tasks read (optional keys)."""
+    """The S3 and MLflow variables and the Hub token (training pods), by reference to the Secrets the pipeline's
+    tasks read (optional keys)."""
     return [
         {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
-        for secret, keys in SECRET_ENV.items()
+        for secret, keys in {**SECRET_ENV, **HUB_SECRET_ENV}.items()
         for key, env in keys.items()
     ]
 
@@ -298,8 +305,11 @@ def render(
     labels = {"app.kubernetes.io/name": "alignflow", "app.kubernetes.io/component": stage.replace("_", "-")}
     metadata = {"name": name, "labels": labels}
     pod_metadata = {"labels": dict([MLFLOW_CLIENT_LABEL]), "annotations": {ISTIO_INJECT: "false"}}
-    # The pods never call the Kubernetes API: no token; non-root, no privilege escalation, no capabilities.
-    pod_security = {"automountServiceAccountToken": False, "securityContext": POD_SECURITY_CONTEXT}
+    # The pods never call the Kubernetes API: non-root, no privilege escalation, no capabilities, and no
+    # token where the API lets the job say so (a TrainJob's runtime patch has no automountServiceAccountToken).
+    pod_security = {"securityContext": POD_SECURITY_CONTEXT, "imagePullSecrets": [{"name": REGISTRY_SECRET}]}
+    if multi.service_account:
+        pod_security["serviceAccountName"] = multi.service_account
     if multi.job_kind == "TrainJob":
         trainer = {
             "image": image,
@@ -344,7 +354,8 @@ def render(
     }
     pod = {
         "metadata": {**pod_metadata, "labels": {**labels, **pod_metadata["labels"]}},
-        "spec": {"containers": [container], "volumes": [shm_volume], **placement, **pod_security},
+        "spec": {"containers": [container], "volumes": [shm_volume], **placement, **pod_security,
+                 "automountServiceAccountToken": False},
     }
     replicas = {"Master": 1, "Worker": multi.nodes - 1}
     replica_specs = {
@@ -425,16 +436,6 @@ def remote_inputs(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def staging_uri(output_uri: str) -> str:
-    uri = remote_uri(output_uri)
-    if not storage.is_remote(uri):
-        raise ConfigError(
-            f"`nodes` > 1 needs the output artifact in object storage; its URI is {output_uri!r}. "
-            "Run the pipeline with an s3:// pipeline root."
-        )
-    return uri.rstrip("/") + ".staging"
-
-
 def download_complete(staging: str, dest: str) -> None:
     """Copy the final model in `staging` to the local folder `dest`, without step checkpoints;
     only a folder with the completion marker counts."""
@@ -456,18 +457,21 @@ def job_name(stage: str) -> str:
     return f"alignflow-{stage.replace('_', '-')}-{secrets.token_hex(4)}"
 
 
-def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, model_out, **wait: Any) -> None:
-    """Train `stage` on `multi.nodes` nodes and leave the finished model in `model_out.path`."""
+def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, output_dir: str, **wait: Any) -> None:
+    """Train `stage` on `multi.nodes` nodes into `output_dir`: the task's checkpoint prefix in object storage, the
+    same for every attempt of the task, so a retry's job resumes from the newest checkpoint (`auto`)."""
     from trainer.config import config_from_dict
     from trainer.stages import stage_parts
 
-    staging = staging_uri(model_out.uri)
-    values = {**remote_inputs(values), "output_dir": staging}
+    values = {**remote_inputs(values), "output_dir": output_dir}
+    if not storage.is_remote(output_dir):
+        raise ConfigError(
+            f"`nodes` > 1 trains in other pods, which write to object storage, but this task's checkpoints would go "
+            f"to the local path {output_dir!r}. Run the pipeline with an s3:// pipeline root."
+        )
     config_cls, _ = stage_parts(stage)
     multi.check(stage, config_from_dict(config_cls, values))
     submit_and_wait(render(stage, values, multi, name=job_name(stage)), **wait)
-    download_complete(staging, model_out.path)
-    storage.remove(staging)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     alignflow pipeline validate --config FILE.yaml
     alignflow pipeline compile [--out FILE.yaml] [--config FILE.yaml]
     alignflow pipeline run --local --config FILE.yaml [--output DIR] [--pipeline-root DIR|s3://...] [--retries N]
-                                                      [--cache] [--verbose]
+                                                      [--cache] [--verbose] [--containers [--image IMAGE]]
     alignflow pipeline submit --host URL --config FILE.yaml [--namespace NS] [--token-file F] [--run-name N] [--wait]
     alignflow pipeline schedule --host URL --config FILE.yaml --cron "0 0 3 * * *" [--namespace NS] [--token-file F]
     alignflow chat MODEL [--prompt TEXT] [--engine hf|vllm] [...]   (trainer.chat)
@@ -48,6 +48,12 @@ def pipeline(argv: list[str]) -> int:
     run.add_argument("--cache", action="store_true",
                      help="Reuse the outputs of tasks whose inputs did not change (kfp.local's cache, under the "
                           "pipeline root).")
+    run.add_argument("--containers", action="store_true",
+                     help="Run every task in its own container of the trainer image (kfp.local.DockerRunner, host "
+                          "network), as a cluster does: needs a Docker daemon and the image "
+                          "(`bash images/build.sh --no-push --cpu`). S3/MLflow settings reach the tasks as environment.")
+    run.add_argument("--image", help="With --containers: the image (default: the CPU trainer image, "
+                                     "components/images.py TRAINER_CPU_IMAGE).")
     run.add_argument("--verbose", action="store_true",
                      help="Show every task's full log as it runs (always written to OUTPUT/logs/<task>.log).")
     for name, text in (("submit", "Submit one run to a KFP cluster."),
@@ -82,8 +88,10 @@ def pipeline(argv: list[str]) -> int:
         print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)
         return 2
 
+    from components.images import TRAINER_CPU_IMAGE
     from pipelines import cluster
     from pipelines import run as pipeline_run
+    from trainer.config import ConfigError
 
     try:
         overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
@@ -95,8 +103,11 @@ def pipeline(argv: list[str]) -> int:
         elif args.command == "compile":
             print(f"Wrote {pipeline_run.compile_pipeline(args.out, config)}")
         elif args.command == "run":
+            if args.image and not args.containers:
+                raise ConfigError("--image names the image of --containers; add --containers.")
+            image = (args.image or TRAINER_CPU_IMAGE) if args.containers else None
             out = pipeline_run.run_local(config, args.output, args.pipeline_root, args.retries, args.cache,
-                                         args.verbose)
+                                         args.verbose, image=image)
             print(_local_summary(out, config.model_name))
         else:
             target = cluster.Cluster(args.host, args.namespace, args.token_file, args.ui_host)
@@ -108,8 +119,6 @@ def pipeline(argv: list[str]) -> int:
                                    cache=not args.no_cache)
             print(f"Created recurring run {rid} ({args.cron})")
     except cluster.ClusterError as err:  # the KFP API refused or cannot be reached: one line, exit 2
-        from trainer.config import ConfigError
-
         raise ConfigError(str(err)) from err
     except pipeline_run.PipelineFailed as err:  # the failed task's log tail is already on the console
         print(f"alignflow pipeline {args.command}: error: {err}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Every Kubernetes setting of the pipeline, applied in one place.
 
 CPU/memory/GPU requests and the accelerator type, tolerations and node selectors, a
-memory-backed /dev/shm, S3 and MLflow credentials from Kubernetes Secrets, the run id from the
+memory-backed /dev/shm, S3 and MLflow credentials (and, for the tasks that load or push models, the Hugging Face
+token) from Kubernetes Secrets, the image pull Secret of a private registry, the run id from the
 pod's labels, the label that admits the pod to MLflow through the chart's NetworkPolicy, a non-root
 user, retries with backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
 YAML that the KFP UI runs. The values themselves (Secrets, default resources) live in
@@ -19,9 +20,11 @@ from __future__ import annotations
 from kfp import kubernetes
 
 from components.kubernetes import (
+    HUB_SECRET_ENV,
     LIGHT,
     MLFLOW_CLIENT_LABEL,
     MLFLOW_SECRET,
+    REGISTRY_SECRET,
     RUN_AS_USER,
     RUN_ID_ENV,
     RUN_ID_FIELD,
@@ -50,8 +53,9 @@ def apply(task, resources: Resources, retries: int = 2, cache: bool = True, back
         # DataLoader workers and NCCL use /dev/shm; the container default (64 MiB) is too small.
         kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
                                    size_limit=resources.shm_size)
-    for secret, env in SECRET_ENV.items():
+    for secret, env in {**SECRET_ENV, **(HUB_SECRET_ENV if resources.hub_token else {})}.items():
         kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=env, optional=True)
+    kubernetes.set_image_pull_secrets(task, [REGISTRY_SECRET])
     # Not an input: env vars stay out of KFP's cache key (backend/src/v2/cacheutils: inputs, outputs, image, command).
     kubernetes.use_field_path_as_env(task, env_name=RUN_ID_ENV, field_path=RUN_ID_FIELD)
     kubernetes.add_pod_label(task, label_key=MLFLOW_CLIENT_LABEL[0], label_value=MLFLOW_CLIENT_LABEL[1])

@@ -8,6 +8,7 @@ promotion gate and the cluster resources. Everything in it is checked before any
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -193,8 +194,9 @@ class PipelineFailed(RuntimeError):
 
 
 def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = None, retries: int = 0,
-              cache: bool = False, verbose: bool = False) -> dict[str, Any]:
-    """Run the whole DAG on this machine with kfp.local (subprocesses, no containers).
+              cache: bool = False, verbose: bool = False, image: str | None = None) -> dict[str, Any]:
+    """Run the whole DAG on this machine with kfp.local: each task in a subprocess, or with `image`, each
+    in its own container of that image (kfp.local.DockerRunner; pipelines/containers.py).
 
     No retries by default: a failure on a laptop is a bug to see at once, not a flaky node. With
     `retries`, a failed task is run again after a few seconds and a training task resumes from its
@@ -211,27 +213,42 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
 
     output_path = Path(output).resolve()
     output_path.mkdir(parents=True, exist_ok=True)
+    local_root = output_path / "pipeline-root"
+    if pipeline_root and not storage.is_remote(pipeline_root):
+        local_root = Path(pipeline_root).resolve()
+    if image:  # Docker and the image first: a missing daemon is one line, before any work
+        from pipelines import containers
+
+        found = containers.check_docker(image)
+        containers.writable_by_tasks(local_root)
+        os.environ["MLFLOW_TRACKING_URI"] = containers.tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", ""),
+                                                                    local_root)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_path / 'mlflow.db'}")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     validate(config, local=True)
     _check_single_node(config)
-    local_root = output_path / "pipeline-root"
     if pipeline_root and storage.is_remote(pipeline_root):
         os.environ["ALIGNFLOW_PIPELINE_ROOT"] = pipeline_root  # components mirror their outputs there
-    elif pipeline_root:
-        local_root = Path(pipeline_root).resolve()
     # Components import `components`/`pipelines`/`trainer` from this checkout in the subprocesses.
     repo = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     # What KFP's pod label gives every task on a cluster: the run id they find the MLflow parent run by.
     os.environ[RUN_ID_ENV] = uuid.uuid4().hex
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(local_root),
-               raise_on_error=True, enable_caching=cache)
+    arguments = config.arguments()
+    if image:
+        from components.stages import image as stages_image
+
+        arguments = containers.stage_inputs(arguments, local_root)
+        runner, on_image = containers.runner(found), stages_image(image)
+    else:
+        runner, on_image = local.SubprocessRunner(use_venv=False), contextlib.nullcontext()
     started = time.perf_counter()
     log_dir = output_path / "logs"
-    with task_console(log_dir, verbose) as console:
+    with task_console(log_dir, verbose) as console, on_image:
+        # inside the console: DockerRunner's set-up message goes to pipeline.log with kfp.local's others
+        local.init(runner=runner, pipeline_root=str(local_root), raise_on_error=True, enable_caching=cache)
         try:
-            build_pipeline(config, retries=retries, backoff="2s", local=True)(**config.arguments())
+            build_pipeline(config, retries=retries, backoff="2s", local=True)(**arguments)
         except RuntimeError as err:
             if not console.summary.failed:
                 raise

@@ -14,6 +14,13 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 .venv/bin/ruff check .
 
+# Coverage follows every Python sub-process (`patch = subprocess`), at about twice its CPU time. Ranks
+# other than 0 run the same code as rank 0, so they run untraced: this .pth, read before coverage's own
+# (a1_coverage.pth), takes the coverage settings out of their environment (and their children's).
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo 'import os; os.environ.get("RANK", "0") != "0" and [os.environ.pop(k, None) for k in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")]' \
+    > "$site/a0_alignflow_rank0_coverage.pth"
+
 out=$(mkdir -p "${TEST_OUTPUT:-test-output}" && cd "${TEST_OUTPUT:-test-output}" && pwd)
 rm -f "$out"/durations.tsv "$out"/.coverage*
 export ALIGNFLOW_TEST_DURATIONS=$out/durations.tsv COVERAGE_FILE=$out/.coverage

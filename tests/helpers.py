@@ -545,3 +545,52 @@ class SerialSFT:
 
     def row(self, i: int) -> dict[str, list[int]]:
         return {"input_ids": self.input_ids[i], "loss_mask": self.loss_mask[i]}
+
+
+# -- Kubernetes custom resources: the published CRD schemas (tests/data/crds/README.md) -------------
+
+CRDS = ROOT / "tests" / "data" / "crds"
+
+
+def _strict_schema(node):
+    """A CRD's OpenAPI v3 schema as JSON Schema that rejects unknown fields, as the API server does with
+    `fieldValidation=Strict` (and kubectl by default); without it they are pruned, i.e. silently dropped.
+    int-or-string and nullable become JSON Schema types; preserve-unknown-fields objects stay open."""
+    if isinstance(node, list):
+        return [_strict_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict_schema(v) for k, v in node.items()
+           if k not in ("description", "x-kubernetes-validations", "x-kubernetes-int-or-string", "nullable")}
+    if node.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if "properties" in node and "additionalProperties" not in node and not node.get(
+            "x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_validator(filename: str, version: str | None = None):
+    """A jsonschema validator for the custom resource defined in tests/data/crds/`filename` (its storage
+    version unless `version`), that also checks apiVersion and kind. CEL rules (x-kubernetes-validations)
+    are not evaluated: tests check the ones that matter for what they render."""
+    import jsonschema
+    import yaml
+
+    crd = yaml.load((CRDS / filename).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    spec = crd["spec"]
+    (entry,) = [v for v in spec["versions"] if (v["name"] == version if version else v.get("storage"))]
+    schema = _strict_schema(entry["schema"]["openAPIV3Schema"])
+    schema["properties"]["apiVersion"] = {"const": f"{spec['group']}/{entry['name']}"}
+    schema["properties"]["kind"] = {"const": spec["names"]["kind"]}
+    schema["required"] = sorted({*schema.get("required", ()), "apiVersion", "kind", "metadata", "spec"})
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_errors(validator, doc: dict) -> list[str]:
+    """Every way `doc` breaks the schema, as 'path: message' lines (empty when it validates)."""
+    return [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+            for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -47,7 +48,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer import storage
-from trainer.tracking import git_sha, redact_secrets
+from trainer.tracking import container_image, git_sha, redact_secrets
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def build_manifest(stage: str, config: Any, base_model: str, datasets: dict[str,
         "metrics": metrics,
         "versions": package_versions(),
         "git_sha": git_sha(),
+        **container_image(),  # image, image_digest: which container image trained it, when in one
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -154,39 +156,99 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
     # The old marker goes first: from here until the new one is written the folder is incomplete.
     storage.remove(marker)
     staging = Path(tempfile.mkdtemp(prefix="alignflow-ckpt-")) if remote else Path(dest)
+    writing_locally = True
     try:
-        staging.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging / STATE_DIR, ignore_errors=True)
-        model.save_pretrained(staging, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        for name, head in (heads or {}).items():
-            if hasattr(head, "save_pretrained"):
-                head.save_pretrained(staging / name, safe_serialization=True)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(staging / name)
-                continue
-            save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
-                      staging / f"{name}.safetensors")
-        if merge_lora and hasattr(model, "merge_and_unload"):
-            _save_merged(model, tokenizer, staging / "merged")
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-        if card is not None:
-            (staging / "README.md").write_text(card)
-        with open(staging / METRICS_FILE, "w") as fh:
-            for record in history:
-                fh.write(json.dumps(record) + "\n")
-        if state is not None:
-            _write_state(staging / STATE_DIR, state, optimizer, scheduler)
+        _write_folder(staging, model, tokenizer, manifest, history, state, optimizer, scheduler, merge_lora, heads,
+                      card)
+        writing_locally = not remote
         if remote:
             storage.upload_dir(staging, dest)
         files = file_list(staging)
         with commit() if commit else contextlib.nullcontext():
             storage.write_text(marker, json.dumps({"step": manifest.get("step"), "time": time.time(), "files": files}))
+    except Exception as err:
+        full = _disk_full(err, staging, dest, model, optimizer, heads) if writing_locally else None
+        if full is None:
+            raise
+        raise full from err
     finally:
         if remote:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def _write_folder(staging: Path, model, tokenizer, manifest, history, state, optimizer, scheduler, merge_lora,
+                  heads, card) -> None:
+    """Every file of a checkpoint but its marker, into the local folder `staging`."""
+    staging.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging / STATE_DIR, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    for name, head in (heads or {}).items():
+        if hasattr(head, "save_pretrained"):
+            head.save_pretrained(staging / name, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging / name)
+            continue
+        save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
+                  staging / f"{name}.safetensors")
+    if merge_lora and hasattr(model, "merge_and_unload"):
+        _save_merged(model, tokenizer, staging / "merged")
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+    if card is not None:
+        (staging / "README.md").write_text(card)
+    with open(staging / METRICS_FILE, "w") as fh:
+        for record in history:
+            fh.write(json.dumps(record) + "\n")
+    if state is not None:
+        _write_state(staging / STATE_DIR, state, optimizer, scheduler)
+
+
+class DiskFullError(storage.StorageError):
+    """A checkpoint did not fit on the disk it was written to; the message names the folder and the space needed."""
+
+
+def _bytes_needed(model, optimizer, heads: dict[str, Any] | None) -> int:
+    """About how many bytes a checkpoint of `model` takes: its saved tensors (a PEFT model saves its adapter only),
+    the optimizer's state tensors and the heads'. Tokenizer, manifest and metrics are small beside them."""
+    adapter_only = hasattr(model, "peft_config")
+    tensors = [p for p in model.parameters() if p.requires_grad or not adapter_only]
+    tensors += [t for head in (heads or {}).values() for t in head.state_dict().values()]
+    if optimizer is not None:
+        tensors += [t for s in optimizer.state_dict().get("state", {}).values() for t in s.values()
+                    if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _disk_full(err: Exception, folder: Path, dest: str, model, optimizer, heads) -> DiskFullError | None:
+    """`err`, raised while writing a checkpoint into the local `folder`, as a one-line `DiskFullError` when the disk
+    ran out of space; None for any other error. safetensors (`SafetensorError: ... No space left on device (os error
+    28)`) and torch.save (`RuntimeError: ... unexpected pos`) say so without an errno, so beside ENOSPC/EDQUOT a
+    write that failed on a disk with less free space than the checkpoint needs counts as a full disk too."""
+    need = _bytes_needed(model, optimizer, heads)
+    unfinished = bool(_STEP_DIR.match(folder.name)) and not (folder / COMPLETE_MARKER).exists()
+    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if unfinished else 0
+
+    def free_space() -> int:  # on the disk of `folder`, or of its nearest parent that exists
+        return shutil.disk_usage(next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))).free
+
+    no_space = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        text in str(err) for text in ("No space left", "os error 28", "Disk quota exceeded"))
+    if not no_space and (free_space() + written >= need
+                         or not isinstance(err, (OSError, RuntimeError))):
+        return None
+    if unfinished:  # a step checkpoint that no reader will ever take: give its space back
+        shutil.rmtree(folder, ignore_errors=True)
+    free = free_space()
+    staged = storage.is_remote(dest)  # written locally first, then uploaded
+    where = f"the local staging folder {str(folder)!r} of {dest!r}" if staged else repr(dest)
+    return DiskFullError(
+        f"No space left on the disk of {where} while saving a checkpoint ({type(err).__name__}): it needs about "
+        f"{need / 2**20:.1f} MiB free and {free / 2**20:.1f} MiB is free there. Free space there or point "
+        f"{'TMPDIR' if staged else '`output_dir`'} at a larger volume; the unfinished checkpoint "
+        f"{'was removed' if unfinished else 'is not marked complete'}, the previous complete one is intact, and "
+        "`resume_from_checkpoint auto` resumes from it.")
 
 
 def load_head(folder: str, name: str, head) -> None:

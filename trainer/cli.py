@@ -74,11 +74,12 @@ def anticipated_errors() -> tuple[type[BaseException], ...]:
     from trainer.models import ModelError
     from trainer.registry import RegistryError
     from trainer.rewards import RewardError
+    from trainer.rollout.server_client import RolloutServerError
     from trainer.runner import TrainingError
     from trainer.storage import StorageError
 
     return (ConfigError, DataError, ModelError, RewardError, StorageError, UnsafeCheckpointError,
-            NonFiniteWeightsError, CheckpointError, TrainingError, RegistryError, MissingExtra)
+            NonFiniteWeightsError, CheckpointError, TrainingError, RegistryError, MissingExtra, RolloutServerError)
 
 
 # What to do about an OSError, by errno (the message adds the file it happened to).
@@ -307,6 +308,8 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
                    add_help=False)
     sub.add_parser("promote", help="Register a checkpoint and move @champion when it passes the gate; roll back.",
                    add_help=False)
+    sub.add_parser("rollout-server", help="Serve a model with vLLM for GRPO/PPO rollouts (one server for all ranks).",
+                   add_help=False)
     return parser, sub
 
 
@@ -318,6 +321,10 @@ def run_group(args: argparse.Namespace, rest: list[str]) -> int:
             print(f"usage: alignflow train {{{','.join(sorted(STAGES))}}} --config FILE.yaml [--<field> VALUE ...]")
             return 0 if rest and rest[0] in ("-h", "--help") else 2
         return guarded(f"alignflow train {args.stage}", lambda argv: _train(args.stage, argv), rest)
+    if args.group == "rollout-server":  # vLLM's own logging and signal handling: not `guarded`
+        from trainer.rollout.server import main as serve
+
+        return serve(rest)
     command = {"model": _model, "eval": _eval, "promote": _promote}[args.group]
     return guarded(f"alignflow {args.group}", command, rest)
 

@@ -4,7 +4,9 @@ GRPO (and PPO) train on the completions a rollout engine generated; `trainer.eva
 the same rows. `build_batch` lays a cycle's completions out as [left-padded prompt |
 right-padded completion] rows, grouped so that rows g*G .. g*G+G-1 share prompt g, and
 `token_logps` gathers the trainer's log-probs of the completion tokens, running each group's
-prompt once when it can (`trainer.attention.share_prompts`).
+prompt once when it can (`trainer.attention.share_prompts`). They are log-probs under
+softmax(logits / T) at the sampling temperature T, the distribution the engine drew from (as in
+TRL; T = 0, greedy, scores under the plain softmax: `trainer.logprobs.logit_temperature`).
 
 `sample_rows` and `completions_table` turn logged completions into rows a person reads: the
 prompt as text (chat as "role: content" lines), one column per reward function, the advantage.
@@ -125,9 +127,11 @@ def build_batch(prompt_ids: list[list[int]], completions, pad_id: int) -> Rollou
     return RolloutBatch(input_ids, attention, completion_mask, rollout_logps, lengths, truncated, p_width)
 
 
-def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = False, group_size: int = 0):
-    """Per-token log-probs of the completion tokens of `batch.input_ids[rows]` as [n, T] (zeros
-    elsewhere), and their mean entropy.
+def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = False, group_size: int = 0,
+                temperature: float = 1.0):
+    """Per-token log-probs log softmax(logits / temperature) of the completion tokens of
+    `batch.input_ids[rows]` as [n, T] (zeros elsewhere), and the mean entropy of that distribution.
+    `temperature`: what `logit_temperature` makes of the sampling temperature.
 
     With `group_size` G, groups of G rows that share a prompt run it once (`share_prompts`).
     `model` as accelerate prepared it: a DDP / DeepSpeed wrapper is called through its own
@@ -147,8 +151,8 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
         out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
         out_rows, out_cols = out.rows, out.cols
-    logps = to_padded(selective_log_softmax(out.logits, out.targets), out_rows, out_cols, input_ids.shape)
-    ent = float(entropy(out.logits).mean()) if with_entropy and out.targets.numel() else None
+    logps = to_padded(selective_log_softmax(out.logits, out.targets, temperature), out_rows, out_cols, input_ids.shape)
+    ent = float(entropy(out.logits, temperature).mean()) if with_entropy and out.targets.numel() else None
     return logps, ent
 
 
@@ -157,9 +161,9 @@ MAX_SHARED_ROW = 4096
 
 
 def _attention(model) -> str:
-    from accelerate.utils import extract_model_from_parallel
+    from trainer.distributed import unwrap
 
-    return getattr(extract_model_from_parallel(model).config, "_attn_implementation", None) or "sdpa"
+    return getattr(unwrap(model).config, "_attn_implementation", None) or "sdpa"
 
 
 def _can_share_prompts(model, row_length: int) -> bool:
@@ -178,7 +182,7 @@ def _model_dtype(model) -> torch.dtype:
 
 
 @torch.no_grad()
-def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0) -> torch.Tensor:
-    parts = [token_logps(model, batch, slice(i, i + size), group_size=group_size)[0]
+def batched_logps(model, batch: RolloutBatch, size: int, group_size: int = 0, temperature: float = 1.0) -> torch.Tensor:
+    parts = [token_logps(model, batch, slice(i, i + size), group_size=group_size, temperature=temperature)[0]
              for i in range(0, len(batch.input_ids), size)]
     return torch.cat(parts)

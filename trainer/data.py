@@ -282,7 +282,9 @@ def _assistant_spans(tokenizer, messages: list[dict], row: int) -> tuple[str, li
     return text, spans
 
 
-KEPT, DROPPED_LONG, DROPPED_NO_LOSS = 0, 1, 2  # the `status` column of tokenized SFT rows
+# The `status` column of tokenized SFT rows. NO_TARGET: nothing to train on whatever the length (a `messages` row
+# without an assistant turn under assistant_only_loss, an empty completion); NO_LOSS: truncation cut it all away.
+KEPT, DROPPED_LONG, DROPPED_NO_LOSS, DROPPED_NO_TARGET = 0, 1, 2, 3
 
 SFT_FEATURES = datasets.Features({
     "input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -324,6 +326,7 @@ class TokenizedSFT:
         self.num_truncated = int(columns.column("truncated").to_numpy(zero_copy_only=False).sum())
         self.num_dropped_long = int((status == DROPPED_LONG).sum())
         self.num_dropped_no_loss = int((status == DROPPED_NO_LOSS).sum())
+        self.num_dropped_no_target = int((status == DROPPED_NO_TARGET).sum())
         self.input_ids = _TokenColumn(self, "input_ids")
         self.loss_mask = _TokenColumn(self, "loss_mask")
 
@@ -412,7 +415,9 @@ def tokenize_sft(ds: datasets.Dataset, tokenizer, name: str, max_length: int, tr
             row = {column: values[k] for column, values in batch.items()}
             ids, mask = tokenize_sft_row(tokenizer, row, fmt, index, completion_only_loss, assistant_only_loss)
             kept = truncate(ids, mask, max_length, truncation_mode)
-            if kept is None:
+            if not sum(mask[1:]):  # nothing to learn even before truncation (the first token is never predicted)
+                status, kept = DROPPED_NO_TARGET, ([], [])
+            elif kept is None:
                 status, kept = DROPPED_LONG, ([], [])
             else:  # the first token is never predicted, so it cannot carry the loss
                 status = KEPT if sum(kept[1][1:]) else DROPPED_NO_LOSS
@@ -428,12 +433,12 @@ def tokenize_sft(ds: datasets.Dataset, tokenizer, name: str, max_length: int, tr
                                    **options}, tokenize_batch, SFT_FEATURES, f"Tokenizing {name}")
     out = TokenizedSFT(table)
     report_lengths(name, len(ds), max_length, truncation_mode, out.num_truncated, out.num_dropped_long,
-                   out.num_dropped_no_loss, len(out))
+                   out.num_dropped_no_loss, len(out), dropped_no_target=out.num_dropped_no_target, fmt=fmt)
     return out
 
 
 def report_lengths(name: str, total: int, max_length: int, mode: str, truncated: int, dropped_long: int,
-                   dropped_no_loss: int, kept: int) -> None:
+                   dropped_no_loss: int, kept: int, dropped_no_target: int = 0, fmt: str = "") -> None:
     if truncated:
         log.warning("%s: %d of %d rows are longer than max_length=%d and were truncated (%s).",
                     name, truncated, total, max_length, mode)
@@ -444,6 +449,13 @@ def report_lengths(name: str, total: int, max_length: int, mode: str, truncated:
         log.warning("%s: dropped %d rows with no trainable tokens left (%s).", name, dropped_no_loss,
                     f"prompt at least max_length={max_length} tokens long" if mode == "keep_start" else
                     "an empty completion")
+    no_target = ("no assistant turn to train on (`assistant_only_loss` trains on assistant replies only): add the "
+                 "assistant replies, or set `assistant_only_loss false` to train on whole conversations"
+                 if fmt == "messages" else "an empty completion: check the `completion` column")
+    if dropped_no_target and kept == 0 and not (dropped_long or dropped_no_loss):
+        raise DataError(f"Dataset {name!r}: every row has {no_target}.")
+    if dropped_no_target:
+        log.warning("%s: dropped %d of %d rows with %s.", name, dropped_no_target, total, no_target.split(":")[0])
     if kept == 0:
         raise DataError(f"Dataset {name!r}: no rows left after applying max_length={max_length} "
                         f"(truncation_mode={mode}); {_no_rows_fix(mode, dropped_long, dropped_no_loss)}")

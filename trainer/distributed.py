@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,8 +78,13 @@ def make_accelerator(config):
         # accelerate keeps one state per process; a process that runs several stages (tests,
         # notebooks) starts each one's afresh.
         AcceleratorState._reset_state()
+    if deepspeed and not torch.cuda.is_available():
+        skip_shared_memory_op()
     accelerator = Accelerator(mixed_precision=precision, **accelerator_kwargs(config, torch.cuda.is_available(),
                                                                                deepspeed))
+    if precision == "fp16" and accelerator.device.type == "cpu":  # accelerate autocasts to float16 on GPUs only
+        log.warning("`fp16` has no effect on the CPU: accelerate runs it in float32 without loss scaling. Drop "
+                    "`fp16`, or use `bf16` (autocast to bfloat16, which the CPU supports).")
     if launched != accelerator.num_processes:
         raise RuntimeError(f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
                            f"{accelerator.num_processes} ({accelerator.distributed_type}); every rank would train "
@@ -86,6 +92,19 @@ def make_accelerator(config):
     if not accelerator.is_main_process:
         logging.getLogger("trainer").setLevel(logging.WARNING)  # one rank narrates
     return accelerator
+
+
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce op when it starts its process group.
+
+    On the CPU, DeepSpeed's communication backend builds that op (a minute of C++ compilation on a fresh
+    machine, then a load in every rank) for `inference_all_reduce`, which only DeepSpeed-Inference calls;
+    training's collectives go through torch.distributed (gloo). Marking the op incompatible in DeepSpeed's
+    own table of compatible ops makes the backend skip it, as it does on a platform without the op.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def accelerator_kwargs(config, cuda: bool, deepspeed: bool) -> dict[str, Any]:
@@ -197,6 +216,22 @@ def micro_batch(accelerator, model, last: bool) -> Iterator[None]:
         accelerator.sync_gradients = True
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP or DeepSpeed wrapper (both keep it as `.module`). accelerate's `unwrap_model`
+    does the same but imports DeepSpeed to recognise its engine, and MLflow with it: ~1.5 s in every
+    process that never uses either."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers = (DistributedDataParallel,)
+    if "deepspeed" in sys.modules:  # only then can the model be in a DeepSpeed engine
+        from deepspeed import DeepSpeedEngine
+
+        wrappers += (DeepSpeedEngine,)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
 def backward(accelerator, loss: torch.Tensor) -> None:
     """`loss.backward()` the way the prepared model needs it. The loss is already scaled for
     accumulation (the stage divides by micro-batches or by the cycle's tokens), so DeepSpeed must
@@ -215,7 +250,7 @@ def clip_and_step(accelerator, model, optimizer, scheduler, max_grad_norm: float
     last `backward`; the optimizer's `step` and `zero_grad` are then no-ops and the norm is the
     engine's (a non-finite step cannot be skipped there; the runner stops the run instead).
     """
-    params = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
     norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     norm = float(norm) if norm is not None else float("nan")
     # A non-finite norm (NaN / inf loss or gradients) skips the update: the weights stay finite.
@@ -238,10 +273,67 @@ def full_params(accelerator, model) -> Iterator[None]:
             # Prefetched all-gathers may still be in flight after no-grad (evaluation) forwards
             # or an earlier gather; DeepSpeed would refuse to re-shard those parameters on exit.
             model.empty_partition_cache()
-        params = list(accelerator.unwrap_model(model).parameters())
+        params = list(unwrap(model).parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield
     else:
+        yield
+
+
+PEFT_PREFIX = "base_model.model."  # a PeftModel's names: this, then the HF model's own
+
+
+def full_weights(accelerator, model, module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole state dict of `module`, the HF causal LM (or PeftModel) that `model` wraps (the object
+    `accelerator.prepare` returned), in HF names,
+    module by module, for a weight push: under ZeRO-3 each module's parameters are gathered, yielded
+    (as copies, since the gather is undone once the iterator moves on) and released before the next
+    module's, so no rank ever holds the whole model. Every rank must iterate it to the end together.
+
+    LoRA: a LoRA layer yields its merged weight, base + B A * scaling (PEFT's merge formula), computed
+    into a new tensor, so the trained base weight is never changed (merge-then-unmerge in place would
+    add rounding to it at every push); the adapter's own tensors are not yielded.
+    """
+    zero3 = zero_stage(accelerator) == 3
+    if zero3 and hasattr(model, "empty_partition_cache"):
+        model.empty_partition_cache()  # see full_params
+    peft = hasattr(module, "peft_config")
+    inside_lora: list[str] = []
+    for name, sub in module.named_modules():
+        if any(name.startswith(p) for p in inside_lora):
+            continue
+        hf_name = name.removeprefix(PEFT_PREFIX) if peft else name
+        prefix = f"{hf_name}." if hf_name else ""
+        if peft and hasattr(sub, "get_delta_weight") and hasattr(sub, "get_base_layer"):
+            inside_lora.append(name + ".")
+            base = sub.get_base_layer()
+            with _gathered(list(sub.parameters()), zero3), torch.no_grad():
+                weight = base.weight.detach().clone()
+                if not getattr(sub, "merged", False):
+                    for adapter in sub.active_adapters:
+                        if adapter in sub.lora_A:
+                            weight += sub.get_delta_weight(adapter).to(weight.dtype)
+                yield prefix + "weight", weight
+                if getattr(base, "bias", None) is not None:
+                    yield prefix + "bias", base.bias.detach().clone()
+            continue
+        params = list(sub.named_parameters(recurse=False))
+        buffers = [(n, b) for n, b in sub.named_buffers(recurse=False) if n not in sub._non_persistent_buffers_set]
+        if not params and not buffers:
+            continue
+        with _gathered([p for _, p in params], zero3):
+            for n, tensor in [*params, *buffers]:
+                yield prefix + n, tensor.detach().clone() if zero3 else tensor.detach()
+
+
+@contextlib.contextmanager
+def _gathered(params: list, zero3: bool) -> Iterator[None]:
+    if not zero3 or not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield
 
 

@@ -19,7 +19,9 @@ Metric definitions (names follow TRL's GRPO logs where they overlap):
   0.5 on a tie (identical completion texts tie without asking the judge, so ties are exact).
 - ``kl``: Σ_tokens (log π(y_t) − log π_ref(y_t)) / #tokens over the model's completions y ~ π: a
   Monte-Carlo estimate of the per-token KL(π‖π_ref) (the k1 estimator; unbiased, may be < 0 on a
-  small sample). Log-probs are the models' plain softmax, not the sampling temperature's.
+  small sample). Both log-probs are those of softmax(logits / T) at the sampling `temperature` T, the
+  distribution the completions were drawn from, so this estimates KL(π_T‖π_ref,T), as the RL stages'
+  KL is (the plain softmax when greedy, T = 0).
 - ``completions/mean_length`` (tokens, eos included), ``completions/clipped_ratio`` (hit the limit).
 
 Checks that need no model (config, data columns, model paths, reward specs) run before any
@@ -45,6 +47,7 @@ from trainer import storage
 from trainer.completions import batched_logps, build_batch, completions_table, prompt_token_ids
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import DataError, is_conversational, load_rows
+from trainer.logprobs import logit_temperature
 from trainer.losses import combine_rewards
 from trainer.models import load_causal_lm, load_tokenizer, model_and_tokenizer, resolve_model_path
 from trainer.progress import Reporter
@@ -197,14 +200,17 @@ def shape_like_prompts(texts: list[str], prompts: list) -> list:
 
 @torch.no_grad()
 def mean_kl(model, ref_model, prompt_ids: list[list[int]], completions: list[Completion], pad_id: int,
-            batch_size: int) -> float:
-    """Σ (log π − log π_ref) over all completion tokens / their number (see the module doc)."""
+            batch_size: int, temperature: float = 0.0) -> float:
+    """Σ (log π − log π_ref) over all completion tokens / their number, both at the sampling `temperature`
+    (0 = greedy: the plain softmax; see the module doc)."""
+    T = logit_temperature(temperature)
     device = next(model.parameters()).device
     total, tokens = 0.0, 0
     for start in range(0, len(prompt_ids), batch_size):
         sl = slice(start, start + batch_size)
         batch = build_batch(prompt_ids[sl], [[c] for c in completions[sl]], pad_id).to(device)
-        diff = batched_logps(model, batch, batch_size) - batched_logps(ref_model, batch, batch_size)  # [B, T]
+        diff = (batched_logps(model, batch, batch_size, temperature=T)
+                - batched_logps(ref_model, batch, batch_size, temperature=T))  # [B, P+C]
         mask = batch.completion_mask.bool()
         total += float(diff[mask].sum())
         tokens += int(mask.sum())
@@ -285,7 +291,7 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
         if ref_path:
             ref_model = load_causal_lm(ref_path, config.dtype, config.trust_remote_code).to(device).eval()
             metrics["kl"] = mean_kl(model, ref_model, prompt_ids, completions, tokenizer.pad_token_id,
-                                    config.batch_size)
+                                    config.batch_size, config.temperature)
             del ref_model
         del model
         log.info("Generated %d completions (%.1fs).", len(completions), time.perf_counter() - started)

@@ -32,9 +32,9 @@ computes exactly what it did before it could run on several (trainer/distributed
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -61,7 +61,7 @@ from trainer.data import (
     test_split_rows,
     train_rows,
 )
-from trainer.logprobs import TargetLM
+from trainer.logprobs import TargetLM, logit_temperature
 from trainer.loop import MetricWindow, keep_freed_memory
 from trainer.losses import (
     combine_rewards,
@@ -79,6 +79,7 @@ from trainer.models import (
 )
 from trainer.rewards import load_reward_function, reward_names, score_completions
 from trainer.rollout import SamplingConfig, make_engine
+from trainer.rollout.server_client import server_url
 from trainer.runner import StageRunner
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class GRPOConfig(TrainConfig):
     num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
     max_prompt_length: int = option(512, "Longest prompt in tokens (see `truncation_mode`).")
     max_completion_length: int = option(256, "Most tokens generated per completion.")
-    temperature: float = option(1.0, "Sampling temperature.")
+    temperature: float = option(1.0, "Sampling temperature T. The trainer's log-probs, entropy and KL are those of "
+                                     "softmax(logits / T), the distribution completions are drawn from (as in TRL).")
     top_p: float = option(1.0, "Nucleus sampling probability mass.")
     top_k: int = option(-1, "Sample from the top k tokens only (-1 = off).")
     beta: float = option(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
@@ -127,9 +129,18 @@ class GRPOConfig(TrainConfig):
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
     mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
     rollout_engine: Literal["hf", "vllm", "vllm-server"] = option(
-        "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: a vLLM server child process.")
+        "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: one `alignflow rollout-server` "
+              "for the whole job (a running one at vllm_server_host/port, or one the first rank starts).")
     vllm_gpu_memory_utilization: float = option(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
-    vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server child (e.g. '1').")
+    vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server the job starts itself "
+                                                   "(e.g. '1').")
+    vllm_server_host: str | None = option(None, "Host of a running `alignflow rollout-server` (TRL's name; port "
+                                                "vllm_server_port). Unset with the port: the job starts one server, "
+                                                "on its first rank.")
+    vllm_server_port: int | None = option(None, "Port of that server (8000 when only the host is given).")
+    vllm_server_base_url: str | None = option(None, "URL of that server, e.g. http://rollout:8000 (instead of host "
+                                                    "and port).")
+    vllm_server_timeout: float = option(240.0, "Seconds to wait for the rollout server to answer (TRL's default).")
     importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
                                                          "rollout-engine probabilities (engine log-probs kept).",
                                                   aliases=("vllm_importance_sampling_correction",))
@@ -171,6 +182,7 @@ class GRPOConfig(TrainConfig):
                               "is 1.0).")
         if self.max_completion_length < 1 or self.max_prompt_length < 1:
             raise ConfigError("`max_completion_length` and `max_prompt_length` must be >= 1.")
+        check_server_options(self)
         if self.max_prompt_length + self.max_completion_length > self.max_length:
             raise ConfigError(f"max_prompt_length + max_completion_length = "
                               f"{self.max_prompt_length + self.max_completion_length} exceeds `max_length` "
@@ -179,6 +191,23 @@ class GRPOConfig(TrainConfig):
     @property
     def prompts_per_cycle(self) -> int:
         return self.per_device_batch_size * self.gradient_accumulation_steps // self.num_generations
+
+
+def check_server_options(config) -> None:
+    """The rollout-server options of GRPO and PPO: only with rollout_engine vllm-server, one address at a time."""
+    given = [f for f in ("vllm_server_host", "vllm_server_port", "vllm_server_base_url") if getattr(config, f)]
+    if given and config.rollout_engine != "vllm-server":
+        raise ConfigError(f"`{given[0]}` addresses a rollout server, but rollout_engine is {config.rollout_engine}: "
+                          "set rollout_engine vllm-server (TRL: use_vllm true, vllm_mode server) or remove it.")
+    if config.vllm_server_base_url and {"vllm_server_host", "vllm_server_port"} & set(given):
+        raise ConfigError("Set either `vllm_server_base_url` or `vllm_server_host`/`vllm_server_port`, not both.")
+    if config.vllm_server_port is not None and not 0 < config.vllm_server_port < 65536:
+        raise ConfigError(f"`vllm_server_port` must be in 1..65535, got {config.vllm_server_port}.")
+    if config.vllm_server_timeout <= 0:
+        raise ConfigError(f"`vllm_server_timeout` must be > 0 seconds, got {config.vllm_server_timeout}.")
+    if not 0 < config.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError("`vllm_gpu_memory_utilization` is the share of the rollout GPU's memory vLLM may take: "
+                          f"give a number in (0, 1], got {config.vllm_gpu_memory_utilization}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,15 +340,15 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
     loss_mask = batch.completion_mask.clone()
     if config.mask_truncated_completions:
         loss_mask[batch.truncated] = 0
-    size, shared = config.per_device_batch_size, _shared_group(config)
-    with run.accelerator.autocast():
-        old = batched_logps(run.model, batch, size, shared) if config.num_iterations > 1 else None
+    size, shared, T = config.per_device_batch_size, _shared_group(config), logit_temperature(config.temperature)
+    with run.accelerator.autocast():  # old and reference log-probs at the sampling temperature, as in TRL
+        old = batched_logps(run.model, batch, size, shared, T) if config.num_iterations > 1 else None
         ref = None
         if config.beta > 0 and ref_model is not None:
-            ref = batched_logps(ref_model, batch, size, shared)
+            ref = batched_logps(ref_model, batch, size, shared, T)
         elif config.beta > 0:
             with run.module.disable_adapter():  # LoRA: the base model is the reference
-                ref = batched_logps(run.model, batch, size, shared)
+                ref = batched_logps(run.model, batch, size, shared, T)
     timings["timing/reference"] = time.perf_counter() - t
     return Trajectory(batch, prompts, texts, per_func, combined, mine, stats, loss_mask, old, ref, timings)
 
@@ -344,7 +373,8 @@ def update(run: StageRunner, traj: Trajectory) -> dict[str, float]:
         for i, start in enumerate(starts):
             rows = slice(start, start + size)
             with run.micro_batch(last=i == len(starts) - 1):
-                logps, ent = token_logps(run.model, batch, rows, with_entropy=True, group_size=_shared_group(config))
+                logps, ent = token_logps(run.model, batch, rows, with_entropy=True, group_size=_shared_group(config),
+                                         temperature=logit_temperature(config.temperature))
                 mask, old = traj.loss_mask[rows], traj.old_logps[rows] if traj.old_logps is not None else None
                 is_weights, is_stats = None, {}
                 if correct_engine:
@@ -421,26 +451,66 @@ def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, toke
 def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) -> tuple[object, SamplingConfig]:
     """The rollout engine (`rollout_engine`) for `model`, and the sampling of `n` completions per prompt.
 
-    Shared with PPO, whose config has the same rollout fields."""
+    vllm-server: the server at vllm_server_host/port (or base URL), which then gets this run's weights
+    first; unset, ONE server per node (so one for a one-node job), started from `model_path` by the
+    node's first rank, which the node's other ranks connect to once it answers. Shared with PPO, whose
+    config has the same fields."""
     config = run.config
-    engine = make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=model_path,
-                         max_model_len=config.max_prompt_length + config.max_completion_length,
-                         dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
-                         seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                         server_devices=config.vllm_server_devices,
-                         synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
+    url = (server_url(config.vllm_server_host, config.vllm_server_port, config.vllm_server_base_url)
+           if config.rollout_engine == "vllm-server" else None)
+
+    def make(server: str | None):
+        return make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=model_path,
+                           max_model_len=config.max_prompt_length + config.max_completion_length,
+                           dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
+                           seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                           server_devices=config.vllm_server_devices, server_url=server,
+                           server_timeout_s=config.vllm_server_timeout,
+                           synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
+
+    if config.rollout_engine == "vllm-server" and url is None and run.world > 1:
+        # Rank 0 of each node starts it and waits until it answers; the node's other ranks then connect to it
+        # (127.0.0.1: one server per node, so one for a one-node job).
+        local_main = run.accelerator.is_local_main_process
+        engine = make(None) if local_main else None
+        host = socket.gethostname()
+        started = distributed.every_rank(run.accelerator, [host, engine.url, engine.pid] if local_main else None)
+        ours = next(entry for entry in started if entry is not None and entry[0] == host)
+        engine = engine or make(ours[1])
+        hosts = distributed.every_rank(run.accelerator, host)
+        log.info("Rollout server %s (pid %s) serves the %d ranks on %s; %d server(s) in the job.", ours[1], ours[2],
+                 hosts.count(host), host, sum(1 for e in started if e is not None))
+    else:
+        engine = make(url)
+    if url is not None:  # a running server holds whatever it last got: start from this run's weights
+        log.info("Rollout server %s (model %s, max_model_len %d): pushing this run's weights.", url,
+                 engine.info["model"], engine.info["max_model_len"])
+        push_weights(run, engine)
     sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               top_p=config.top_p, top_k=config.top_k, n=n, stop_token_ids=[tokenizer.eos_token_id])
     return engine, sampling
 
 
 def push_weights(run: StageRunner, engine) -> None:
-    """The new weights to the rollout engine (the hf engine generates with the training model itself)."""
-    if run.config.rollout_engine == "hf":
+    """The new weights to the rollout engine (the hf engine generates with the training model itself).
+
+    One rank sends them, module by module (`distributed.full_weights`; LoRA merged): rank 0 to a server
+    given by address, each node's rank 0 to the server it started; under ZeRO-3 every rank takes part in
+    each module's gather. The other ranks wait at a barrier until the engine has them."""
+    config = run.config
+    if config.rollout_engine == "hf":
         return
-    with run.gathered():
-        model = copy.deepcopy(run.module).merge_and_unload() if run.config.lora_r else run.module
-        engine.sync_weights(model.state_dict().items())
+    given = server_url(config.vllm_server_host, config.vllm_server_port, config.vllm_server_base_url)
+    sends = run.accelerator.is_local_main_process if config.rollout_engine == "vllm-server" and not given \
+        else run.is_main
+    weights = distributed.full_weights(run.accelerator, run.model, run.module)
+    if sends:
+        engine.sync_weights(weights)
+    elif run.runtime["zero_stage"] == 3:
+        for _ in weights:  # the gathers are collectives
+            pass
+    if run.world > 1:
+        run.accelerator.wait_for_everyone()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,4 +595,4 @@ def check_ranks(config: GRPOConfig, world: int, num_prompts: int) -> None:
                           "per_device_batch_size or gradient_accumulation_steps, or use fewer processes.")
     if world > 1 and config.rollout_engine == "vllm":
         raise ConfigError("rollout_engine=vllm runs vLLM inside the training process, which supports one process "
-                          "so far; with several ranks use vllm-server (a sidecar per rank) or hf.")
+                          "so far; with several ranks use vllm-server (one rollout server for the job) or hf.")

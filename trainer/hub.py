@@ -95,6 +95,13 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
+def _image_note(manifest: dict[str, Any]) -> str:
+    """`, in container image NAME (DIGEST)` when a container trained it (alignflow.json `image`, `image_digest`)."""
+    if not manifest.get("image_digest"):
+        return ""
+    return f", in container image `{manifest.get('image', '?')}` (`{manifest['image_digest']}`)"
+
+
 def _metric(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
@@ -129,7 +136,7 @@ def model_card(manifest: dict[str, Any]) -> str:
 
 A model trained with alignflow: stage **{_STAGE_TITLE.get(stage, stage)}**, {manifest.get('step', '?')} optimizer
 steps, starting from `{manifest.get('base_model', '?')}`{' (a LoRA adapter on it)' if adapter else ''}. Written
-{manifest.get('created', '?')}{f" from git commit `{manifest['git_sha']}`" if manifest.get('git_sha') else ''}.
+{manifest.get('created', '?')}{f" from git commit `{manifest['git_sha']}`" if manifest.get('git_sha') else ''}{_image_note(manifest)}.
 
 ## Use
 
@@ -182,8 +189,9 @@ def check_push(config: Any) -> None:
     from trainer.config import ConfigError
 
     if getattr(config, "push_to_hub", False) and not hub_token():
-        raise ConfigError("`push_to_hub` is true but no Hugging Face token is set: export HF_TOKEN (a write token) "
-                          "or run `hf auth login`, or pass --push_to_hub false.")
+        raise ConfigError("`push_to_hub` is true but no Hugging Face token is set: export HF_TOKEN (a write token; in "
+                          "a pipeline on a cluster, the Kubernetes Secret alignflow-hf) or run `hf auth login`, or pass "
+                          "--push_to_hub false.")
 
 
 def repo_name(config: Any) -> str:

@@ -37,6 +37,7 @@ NOT_IDENTITY = frozenset({
     "mlflow_tags", "mlflow_log_checkpoint", "push_to_hub", "hub_model_id", "hub_private_repo",
     "num_sample_completions", "sample_max_new_tokens", "log_completions_steps", "num_completions_to_log",
     "precompute_ref_batch_size", "vllm_gpu_memory_utilization", "vllm_server_devices",
+    "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",  # where rollouts run
     "dataset_test_split", "per_device_eval_batch_size",  # what is evaluated, and in which batches
     "use_cpu", "ddp_timeout", "ddp_find_unused_parameters",  # the devices and how long ranks wait for each other
 })

@@ -29,7 +29,8 @@ def needs_launch(config) -> bool:
     return (config.num_processes > 1 or bool(config.deepspeed)) and "LOCAL_RANK" not in os.environ
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -37,7 +38,7 @@ def _free_port() -> int:
 
 def launch_command(stage: str, argv: list[str], config) -> list[str]:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(config.num_processes),
-               "--num_machines", "1", "--main_process_port", str(_free_port()), "--dynamo_backend", "no",
+               "--num_machines", "1", "--main_process_port", str(free_port()), "--dynamo_backend", "no",
                "--mixed_precision", config.mixed_precision]
     if config.deepspeed:
         command += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config_file(config.deepspeed)]

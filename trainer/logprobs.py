@@ -107,16 +107,32 @@ class TargetLM(torch.nn.Module):
                 model_kwargs: dict | None = None) -> TargetLogits:
         return target_logits(self.lm, input_ids, target_mask, attention_mask, position_ids, sources, model_kwargs)
 
-def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per row without materialising the full log-softmax. [N, V], [N] -> [N]"""
+def logit_temperature(sampling_temperature: float) -> float:
+    """The temperature a trainer divides its logits by for completions sampled at `sampling_temperature`.
+
+    RL stages score completions under the distribution they were drawn from, softmax(logits / T), as
+    TRL does (GRPO: `logits / self.temperature`; PPO: `logits /= temperature + 1e-7`, for the policy and
+    the reference, never the critic's values), so that the first iteration's importance ratio against
+    the engine's sampling log-probs is 1 (`trainer/rollout/base.py`). Greedy rollouts (T = 0) have no
+    sampling distribution; they are scored under the plain softmax, as the engines report them (TRL's
+    1e-7 would give every greedy token log-prob 0 and every KL 0 or infinity).
+    """
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
+def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] per row without materialising the full log-softmax.
+    [N, V], [N] -> [N]"""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 @torch.no_grad()
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each row's softmax. [N, V] -> [N]"""
-    logp = F.log_softmax(logits.float(), dim=-1)
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of each row's softmax(logits / temperature). [N, V] -> [N]"""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 

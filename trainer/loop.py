@@ -5,12 +5,15 @@ here; each stage owns its own."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import sys
 from collections import defaultdict
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def set_seed(seed: int) -> None:
@@ -70,6 +73,14 @@ def build_scheduler(optimizer, config, total_steps: int):
 def total_steps(config, num_examples: int, world_size: int = 1) -> int:
     """Optimizer steps for the run: `max_steps`, or `num_epochs` passes at the configured batch
     sizes (a micro-batch takes `per_device_batch_size` examples on each of `world_size` ranks)."""
+    per_step = config.per_device_batch_size * world_size * config.gradient_accumulation_steps
+    if num_examples < per_step:  # not an error (a smoke test, a tiny dataset), but not what the batch size says
+        log.warning("%d training example%s, fewer than one optimizer step takes (per_device_batch_size %d x %d rank%s "
+                    "x gradient_accumulation_steps %d = %d): every step trains on the same %d in smaller batches than "
+                    "asked, and the logged `epoch` grows by %.3g a step. Lower the batch size or add data.",
+                    num_examples, "" if num_examples == 1 else "s", config.per_device_batch_size, world_size,
+                    "" if world_size == 1 else "s", config.gradient_accumulation_steps, per_step, num_examples,
+                    per_step / max(num_examples, 1))
     if config.max_steps > 0:
         return config.max_steps
     batches_per_epoch = math.ceil(num_examples / (config.per_device_batch_size * world_size))

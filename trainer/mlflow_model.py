@@ -112,7 +112,7 @@ def _model_card(manifest: dict, task: str):
 
     lines = ["---", "library_name: transformers", "tags: [alignflow]", "---", "# alignflow model", "",
              f"Task: `{task}`."]
-    for key in ("stage", "base_model", "git_sha", "created"):
+    for key in ("stage", "base_model", "git_sha", "image", "image_digest", "created"):
         if manifest.get(key):
             lines.append(f"- {key}: `{manifest[key]}`")
     for split, info in (manifest.get("datasets") or {}).items():

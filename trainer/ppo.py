@@ -21,7 +21,10 @@ It is zero-initialised, so that the first advantages are the rewards-to-go. With
 reward_model` a separate critic network gives V_t instead: a reward model (sequence classifier)
 whose score head reads every token's hidden state (TRL PPOv2's `value_model`, OpenRLHF's critic),
 trained by the same optimizer and saved as `critic/`. The reference is the starting policy: a
-frozen copy, or with LoRA the model with its adapter disabled.
+frozen copy, or with LoRA the model with its adapter disabled. Policy and reference log-probs are
+those of softmax(logits / T) at the sampling `temperature` T (TRL's PPOTrainer divides both by
+T + 1e-7; the critic's values are not tempered); greedy rollouts (T = 0) are scored under the plain
+softmax (`trainer.logprobs.logit_temperature`).
 
 Departures from TRL's `PPOTrainer`: `max_steps` counts optimizer steps (each PPO step takes
 `ppo_epochs × batch_size / mini_batch_size` of them); a completion that ends without EOS keeps its
@@ -51,12 +54,13 @@ from trainer.grpo import (
     GRPOConfig,
     PromptSet,
     RewardSet,
+    check_server_options,
     evaluate,
     load_rl_inputs,
     push_weights,
     start_engine,
 )
-from trainer.logprobs import TargetLM, selective_log_softmax, target_logits, to_padded
+from trainer.logprobs import TargetLM, logit_temperature, selective_log_softmax, target_logits, to_padded
 from trainer.loop import MetricWindow, keep_freed_memory
 from trainer.losses import (
     AdaptiveKLController,
@@ -149,6 +153,10 @@ class PPOConfig(TrainConfig):
     rollout_engine: Literal["hf", "vllm", "vllm-server"] = _as_in_grpo("rollout_engine")
     vllm_gpu_memory_utilization: float = _as_in_grpo("vllm_gpu_memory_utilization")
     vllm_server_devices: str | None = _as_in_grpo("vllm_server_devices")
+    vllm_server_host: str | None = _as_in_grpo("vllm_server_host")
+    vllm_server_port: int | None = _as_in_grpo("vllm_server_port")
+    vllm_server_base_url: str | None = _as_in_grpo("vllm_server_base_url")
+    vllm_server_timeout: float = _as_in_grpo("vllm_server_timeout")
     truncation_mode: Literal["keep_end", "keep_start", "drop"] = _as_in_grpo("truncation_mode")
     log_completions_steps: int = _as_in_grpo("log_completions_steps")
     num_completions_to_log: int = _as_in_grpo("num_completions_to_log")
@@ -163,6 +171,7 @@ class PPOConfig(TrainConfig):
                 raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.temperature < 0:
             raise ConfigError(f"`temperature` must be >= 0 (0 = greedy rollouts), got {self.temperature}.")
+        check_server_options(self)
         if self.batch_size % self.mini_batch_size or self.mini_batch_size % self.per_device_batch_size:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size "
                               f"({self.mini_batch_size}), and that a multiple of per_device_batch_size "
@@ -234,13 +243,14 @@ def make_value_head(model, dtype: torch.dtype) -> torch.nn.Linear:
     return head
 
 
-def policy_forward(model, batch: RolloutBatch, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the completion tokens and the values before each, both [n, C] (0 off the completion)."""
+def policy_forward(model, batch: RolloutBatch, rows, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs under softmax(logits / temperature) of the completion tokens and the values before each,
+    both [n, C] (0 off the completion). The values are not tempered."""
     input_ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding
     out, values = model(input_ids=input_ids, target_mask=batch.completion_mask[rows], attention_mask=attention,
                         position_ids=position_ids)
-    logps = to_padded(selective_log_softmax(out.logits, out.targets), out.rows, out.cols, input_ids.shape)
+    logps = to_padded(selective_log_softmax(out.logits, out.targets, temperature), out.rows, out.cols, input_ids.shape)
     values = to_padded(values.float(), out.rows, out.cols, input_ids.shape)
     P = batch.prompt_width
     return logps[:, P:], values[:, P:]
@@ -286,14 +296,14 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
         scores = scores - config.missing_eos_penalty * batch.truncated.float()
     timings["timing/score"], t = time.perf_counter() - t, time.perf_counter()
 
-    size, P = config.per_device_batch_size, batch.prompt_width
+    size, P, T = config.per_device_batch_size, batch.prompt_width, logit_temperature(config.temperature)
     with run.accelerator.autocast():
-        parts = [policy_forward(run.model, batch, slice(i, i + size)) for i in range(0, len(picked), size)]
+        parts = [policy_forward(run.model, batch, slice(i, i + size), T) for i in range(0, len(picked), size)]
         if ref_model is not None:
-            ref = batched_logps(ref_model, batch, size)[:, P:]
+            ref = batched_logps(ref_model, batch, size, temperature=T)[:, P:]
         else:
             with run.module.disable_adapter():  # LoRA: the base model is the reference
-                ref = batched_logps(run.module, batch, size)[:, P:]
+                ref = batched_logps(run.module, batch, size, temperature=T)[:, P:]
     logps, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # [N, C]
     mask = batch.completion_mask[:, P:]
     timings["timing/reference"], t = time.perf_counter() - t, time.perf_counter()
@@ -332,7 +342,7 @@ def update(run: StageRunner, traj: PPOTrajectory, cycle: int) -> dict[str, float
             for i in range(micro):
                 rows = perm[start + i * size:start + (i + 1) * size]
                 with run.micro_batch(last=i == micro - 1):
-                    logps, values = policy_forward(run.model, traj.batch, rows)
+                    logps, values = policy_forward(run.model, traj.batch, rows, logit_temperature(config.temperature))
                     mask = traj.mask[rows]
                     pg_loss, pg_stats = ppo_policy_loss(logps, traj.logps[rows], traj.advantages[rows], mask,
                                                         config.cliprange)

@@ -156,7 +156,7 @@ def tokenize_dpo_pairs(pairs: list[PreferenceText], tokenizer, name: str, chat: 
     """
     eos = tokenizer.eos_token_id
     out = TokenizedPairs()
-    prompts_cut = truncated = dropped_long = 0
+    prompts_cut = truncated = dropped_long = identical = 0
     for pair in pairs:
         prompt = tokenizer(pair.prompt, add_special_tokens=not chat)["input_ids"]
         if len(prompt) > max_prompt_length:
@@ -177,14 +177,35 @@ def tokenize_dpo_pairs(pairs: list[PreferenceText], tokenizer, name: str, chat: 
             truncated += 1
             cut = slice(-budget, None) if truncation_mode == "keep_end" else slice(None, budget)
             completions = [ids[cut] for ids in completions]
+            if completions[0] == completions[1]:  # truncation cut away the only difference: margin 0, no gradient
+                identical += 1
+                continue
         out.prompt_ids.append(prompt)
         out.chosen_ids.append(completions[0])
         out.rejected_ids.append(completions[1])
     if prompts_cut:
         log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d and lost their start.",
                     name, prompts_cut, total_rows, max_prompt_length)
+    fix = (f"raise `max_length` or lower `max_prompt_length` (a reply gets max_length minus its prompt's tokens, here "
+           f"at least {max_length - max_prompt_length})")
+    if truncation_mode == "keep_end":
+        fix += ", or set `truncation_mode keep_start` (keep_end keeps the replies' common end)"
+    _drop_identical(name, identical, total_rows, len(out), max_length, truncation_mode, fix)
     report_lengths(name, total_rows, max_length, truncation_mode, truncated, dropped_long, 0, len(out))
     return out
+
+
+def _drop_identical(name: str, identical: int, total: int, kept: int, max_length: int, mode: str, fix: str) -> None:
+    """Say how many pairs lost their difference to truncation (they were dropped: a pair whose chosen and rejected
+    tokens are the same has margin 0 and no gradient); when no pair is left, that is the error, with `fix`."""
+    if not identical:
+        return
+    if kept == 0:
+        raise DataError(f"Dataset {name!r}: all {identical} pairs left after max_length={max_length} "
+                        f"(truncation_mode={mode}) have identical chosen and rejected tokens, so there is nothing to "
+                        f"learn: {fix}.")
+    log.warning("%s: dropped %d of %d pairs whose chosen and rejected tokens are identical after truncation to "
+                "max_length=%d (truncation_mode=%s); %s.", name, identical, total, max_length, mode, fix)
 
 
 def _closes_with_eos(tokenizer) -> bool:
@@ -262,9 +283,9 @@ def tokenize_reward_pairs(pairs: list[PreferenceText], margins: list[float] | No
         out.rejected_ids.append(r)
         if margins is not None:
             out.margins.append(margins[i])
-    if identical:
-        log.warning("%s: dropped %d pairs whose chosen and rejected texts are identical after truncation to "
-                    "max_length=%d (truncation_mode=%s); use keep_end.", name, identical, max_length, truncation_mode)
+    _drop_identical(name, identical, len(pairs), len(out), max_length, truncation_mode,
+                    "raise `max_length`, or set `truncation_mode keep_end` (prompt and reply are one text here, and "
+                    "replies differ at its end)" if truncation_mode != "keep_end" else "raise `max_length`")
     report_lengths(name, len(pairs), max_length, truncation_mode, 0 if drop else long, long if drop else 0, 0,
                    len(out))
     return out

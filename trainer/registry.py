@@ -183,8 +183,9 @@ def metric_tags(metrics: dict[str, float]) -> dict[str, str]:
 
 
 def manifest_tags(manifest: dict[str, Any]) -> dict[str, str]:
-    """Lineage from a checkpoint's alignflow.json: stage, base model, git sha, dataset fingerprints."""
-    tags = {f"alignflow.{key}": str(manifest[key]) for key in ("stage", "base_model", "git_sha")
+    """Lineage from a checkpoint's alignflow.json: stage, base model, git sha, image, dataset fingerprints."""
+    tags = {f"alignflow.{key}": str(manifest[key]) for key in ("stage", "base_model", "git_sha",
+                                                                            "image", "image_digest")
             if manifest.get(key)}
     for split, info in (manifest.get("datasets") or {}).items():
         for key in ("path", "fingerprint", "rows"):

@@ -38,7 +38,7 @@ from trainer.storage import cache_dir
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # raise when a change to the tokenizing code changes the tokens it writes
+VERSION = 2  # raise when a change to the tokenizing code changes the tokens it writes
 DATA_FILE, META_FILE = "data.arrow", "meta.json"
 
 

@@ -141,6 +141,14 @@ def git_sha() -> str | None:
     return sha if out.returncode == 0 and sha else None
 
 
+def container_image() -> dict[str, str]:
+    """The container image this process runs in, as the launcher told it: ``image`` (name) and
+    ``image_digest`` (a registry digest, or the local image id) from ALIGNFLOW_IMAGE /
+    ALIGNFLOW_IMAGE_DIGEST (`alignflow pipeline run --local --containers` passes both); empty outside one."""
+    found = {"image": os.environ.get("ALIGNFLOW_IMAGE", ""), "image_digest": os.environ.get("ALIGNFLOW_IMAGE_DIGEST", "")}
+    return {key: value for key, value in found.items() if value}
+
+
 def alignflow_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -419,6 +427,7 @@ class Tracker:
         tags = {"alignflow.stage": self.stage, "alignflow.version": alignflow_version()}
         if sha := git_sha():
             tags["mlflow.source.git.commit"] = sha
+        tags.update({f"alignflow.{key}": value for key, value in container_image().items()})
         for tag in self.config.mlflow_tags:
             key, _, value = tag.partition("=")
             tags[key.strip()] = redact_uri(value)[:_MAX_TAG_VALUE]

@@ -206,11 +206,7 @@ KNOWN: dict[str, Known] = {
                                     "KV cache in GPU memory during the update (on the CPU vLLM cannot sleep at all); "
                                     "lower `vllm_gpu_memory_utilization`, or use rollout_engine vllm-server"),
     "vllm_structured_outputs_regex": unset("structured outputs are not supported"),
-    "vllm_server_base_url": unset("alignflow starts its own server (rollout_engine vllm-server) next to the trainer"),
-    "vllm_server_host": any_value("alignflow starts its own server (rollout_engine vllm-server) on localhost"),
-    "vllm_server_port": any_value("alignflow picks a free port for its vllm-server child"),
-    "vllm_server_timeout": any_value("alignflow waits for its vllm-server child itself"),
-    "vllm_group_port": any_value("alignflow picks a free port for its vllm-server child"),
+    "vllm_group_port": any_value("weights reach the rollout server over HTTP, not an NCCL group"),
     "vllm_max_model_length": any_value("set by alignflow from the stage's prompt and completion lengths"),
     "vllm_tensor_parallel_size": only((1,), "tensor parallelism of vLLM is not supported"),
     "vllm_importance_sampling_mode": only(("token_truncate",), "alignflow's importance-sampling correction "

@@ -96,6 +96,8 @@ CASES = [
          ("longprompt.jsonl", "max_length=8", "truncation_mode=keep_start)", "truncation_mode keep_end")),
     Case("sft every row dropped", sft("--dataset", "{d}/longprompt.jsonl", "--max_length", "8",
                                       "--truncation_mode", "drop"), ("longprompt.jsonl", "raise `max_length`")),
+    Case("sft messages without an assistant turn", sft("--dataset", "{d}/noassistant.jsonl"),
+         ("noassistant.jsonl", "every row has no assistant turn", "`assistant_only_loss false`")),
     Case("sft deepspeed file not JSON", sft("--deepspeed", "{d}/file.txt"), ("`deepspeed`", "file.txt", "not readable JSON")),
     Case("sft deepspeed file a JSON list", sft("--deepspeed", "{d}/list.json"), ("list.json", "JSON list")),
     Case("sft eval_split_ratio leaves nothing to train on", sft("--dataset", "{d}/two.jsonl", "--eval_split_ratio", "0.9"),
@@ -180,6 +182,18 @@ CASES = [
     # --- other stages ----------------------------------------------------------------------------------------
     Case("dpo wrong columns", ["train", "dpo", "--model", "{tiny}", "--dataset", "{d}/pc.jsonl", "--output_dir",
                                "{out}/run", *LONG], ("pc.jsonl", "chosen")),
+    Case("dpo every pair loses its difference to truncation",
+         ["train", "dpo", "--model", "{tiny}", "--dataset", "{d}/sameprefix.jsonl", "--output_dir", "{out}/run",
+          "--max_length", "8", *LONG], ("sameprefix.jsonl", "all 3 pairs", "identical chosen and rejected tokens",
+                                        "raise `max_length`", "at least 4")),
+    Case("dpo every pair loses its difference, keep_end",
+         ["train", "dpo", "--model", "{tiny}", "--dataset", "{d}/samesuffix.jsonl", "--output_dir", "{out}/run",
+          "--max_length", "8", "--truncation_mode", "keep_end", *LONG],
+         ("samesuffix.jsonl", "identical chosen and rejected tokens", "truncation_mode keep_start")),
+    Case("reward every pair loses its difference to truncation",
+         ["train", "reward", "--model", "{tiny}", "--dataset", "{d}/sameprefix.jsonl", "--output_dir", "{out}/run",
+          "--max_length", "8", "--truncation_mode", "keep_start", *LONG],
+         ("sameprefix.jsonl", "all 3 pairs", "identical chosen and rejected tokens", "truncation_mode keep_end")),
     Case("reward wrong columns", ["train", "reward", "--model", "{tiny}", "--dataset", "{d}/pc.jsonl", "--output_dir",
                                   "{out}/run", *LONG], ("pc.jsonl", "chosen")),
     Case("grpo no prompt column", grpo("--dataset", "{d}/text.jsonl"), ("text.jsonl", "`prompt` column")),
@@ -212,6 +226,13 @@ CASES = [
                                       "--num_generations", "2", "--per_device_batch_size", "4",
                                       "--max_completion_length", "4", "--log_completions_steps", "0"),
          ("none_reward", "None for all 4 completions"), loads_model=True),
+    Case("grpo rollout server options without the server engine", grpo("--vllm_server_host", "127.0.0.1"),
+         ("`vllm_server_host`", "rollout_engine vllm-server")),
+    # Port 9 (discard): nothing listens there, so the wait ends at vllm_server_timeout.
+    Case("grpo rollout server unreachable", grpo("--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host",
+                                                 "127.0.0.1", "--vllm_server_port", "9", "--vllm_server_timeout", "2"),
+         ("http://127.0.0.1:9/ready", "within 2 s", "vllm_server_timeout", "alignflow rollout-server"),
+         loads_model=True),
     Case("ppo no prompt column", grpo("--dataset", "{d}/text.jsonl", stage="ppo"), ("text.jsonl", "`prompt` column")),
     Case("ppo reward module missing", grpo("--reward_funcs", "nosuch_rewards:score", stage="ppo"),
          ("reward_funcs", "nosuch_rewards")),
@@ -288,6 +309,10 @@ def data(tmp_path_factory, tiny_model) -> Path:
     write_jsonl(d / "textint.jsonl", [{"text": 3}])
     write_jsonl(d / "badmessages.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
                                           {"messages": [{"role": "user"}]}])
+    same = "Well, let me think about this question for quite a while before I answer it."
+    write_jsonl(d / "sameprefix.jsonl", [{"prompt": "Question?", "chosen": f"{same} Yes.", "rejected": f"{same} No."}] * 3)
+    write_jsonl(d / "samesuffix.jsonl", [{"prompt": "Question?", "chosen": f"Yes. {same}", "rejected": f"No. {same}"}] * 3)
+    write_jsonl(d / "noassistant.jsonl", [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)])
     write_jsonl(d / "longprompt.jsonl", [{"prompt": "word " * 40, "completion": "yes"}] * 3)
     (d / "empty.jsonl").write_text("")
     (d / "malformed.jsonl").write_text('{"text": "fine"}\n{"text": "no closing brace"\n')

@@ -190,3 +190,58 @@ def test_sigkill_inside_a_logging_window_then_auto_resume_matches_straight_run(t
         assert shared >= {"loss", "learning_rate", "num_tokens", "grad_norm"}, sorted(want)
         for key in shared:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """`mount(size)`: a tmpfs of `size` bytes at tmp_path/disk (root only; CI runs as root); `mount(size, remount=True)`
+    grows it (as an operator frees space); unmounted at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is a small tmpfs here, and mounting one needs root (CI runs as root)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = []
+
+    def mount(size: int, remount: bool = False) -> Path:
+        opts = f"{'remount,' if remount else ''}size={size}"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(disk)], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs at {disk}: {done.stderr.strip()}")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize(("headroom", "raised"), [(6, "SafetensorError"), (2, "RuntimeError")])
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_auto_resumes_the_previous(headroom, raised, tiny_model,
+                                                                                       toy_prompts, reference_run,
+                                                                                       small_disk, capfd):
+    """The fault suite's SFT run (a checkpoint every step), cut to 3 steps, on a tmpfs that holds checkpoint-1 and a
+    sixth of another (checkpoint-2's weights do not fit: safetensors raises `SafetensorError`, which carries no errno)
+    or a half (the weights fit, the optimizer state does not: torch.save raises `RuntimeError: unexpected pos`).
+    One line, exit 2, naming the checkpoint and the space it needs; checkpoint-1 still the newest complete one and
+    the unfinished checkpoint-2 gone. With the disk grown, `auto` resumes from checkpoint-1 and finishes."""
+    args = [*run_args("sft", tiny_model, toy_prompts)]
+    args[args.index("--max_steps") + 1] = "3"
+    # A step checkpoint of the uninterrupted run has the size of this run's (the same model and optimizer).
+    _, newest = ckpt.list_checkpoints(str(reference_run("sft", *run_args("sft", tiny_model, toy_prompts))))[-1]
+    size = sum(f["size"] for f in json.loads((Path(newest) / ckpt.COMPLETE_MARKER).read_text())["files"])
+    out = small_disk(size + size // headroom) / "run"
+    capfd.readouterr()
+    assert main(["train", "sft", *args, "--output_dir", str(out)]) == 2
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if ": error: " in x]
+    assert "Traceback" not in err, err[-4000:]
+    for needle in (f"{str(out / 'checkpoint-2')!r}", f"({raised})", "needs about", "MiB free", "larger volume",
+                   "resume_from_checkpoint auto"):
+        assert needle in line, (needle, line)
+    assert [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)] == [1]
+    assert not (out / "checkpoint-2").exists() and not ckpt.is_complete(str(out))
+
+    small_disk(20 * size, remount=True)
+    assert main(["train", "sft", *args, "--output_dir", str(out)]) == 0
+    assert json.loads((out / ckpt.MANIFEST).read_text())["resumed_from"] == str(out / "checkpoint-1")
+    assert ckpt.is_complete(str(out)) and [r["step"] for r in ckpt.read_history(str(out))][-1] == 3

@@ -1,7 +1,8 @@
-"""The vLLM sidecar: a real `vllm.entrypoints.openai.api_server` child process.
+"""The vllm-server engine's own server: `alignflow rollout-server` as a child of the process that makes the engine.
 
-It serves rollouts, receives weights, and leaves no process behind, whether the `with` block
-ends normally or raises. Each test starts its own server (~20-45 s on this CPU).
+It serves rollouts, receives weights, and leaves no process behind when the `with` block raises,
+when it dies at start, and when its trainer is killed. Each test starts its own server (~20-45 s on this CPU). A server
+started by hand, shared by a job's ranks, is tested in test_rollout_server_shared.py.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def policy(tiny_model):
 def start(tiny_model, policy):
     model, tokenizer = policy
     return make_engine("vllm-server", model=model, tokenizer=tokenizer, model_path=tiny_model, max_model_len=512,
-                       server_timeout_s=240)
+                       server_timeout_s=240, dtype="float32")
 
 
 def server_processes(engine) -> list[psutil.Process]:
@@ -81,44 +82,41 @@ def assert_all_gone(processes: list[psutil.Process], pgid: int) -> None:
     assert not [p for p in process_group(pgid) if alive(p)], f"process group {pgid} is not empty"
 
 
-def test_sidecar_serves_rollouts_takes_weights_and_stops(tiny_model, policy, kv_cache_env):
+def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_raises(tiny_model, policy,
+                                                                                    kv_cache_env):
+    """One server start for the whole life cycle: sampling, greedy = the policy's, a weight sync that changes
+    what it serves, then an exception inside the `with` block, which must still stop every process of the
+    server. (A `with` block that ends normally stops it through the same close(): the job-started server of
+    test_rollout_server_shared.py::test_without_an_address_two_ranks_start_one_server.)"""
     model, _ = policy
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 160)]
-    with start(tiny_model, policy) as engine:
-        processes = server_processes(engine)
-        pgid = os.getpgid(engine.pid)
-        assert pgid == engine.pid and pgid != os.getpgid(0)  # its own process group
-
-        sampled = engine.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, n=4, stop_token_ids=[2]))
-        assert [len(s) for s in sampled] == [4, 4, 4]
-        for samples in sampled:
-            assert len({tuple(c.token_ids) for c in samples}) > 1
-            for c in samples:
-                assert 1 <= len(c.token_ids) <= MAX_NEW and len(c.logprobs) == len(c.token_ids)
-                assert c.finish_reason == ("stop" if c.token_ids[-1] == 2 else "length")
-
-        greedy = SamplingConfig(max_new_tokens=MAX_NEW, temperature=0)
-        before = [s[0].token_ids for s in engine.generate(prompts, greedy)]
-        assert before == [model_greedy(model, p, MAX_NEW) for p in prompts]
-        perturb(model, seed=4)
-        engine.sync_weights(model.state_dict().items())
-        after = [s[0].token_ids for s in engine.generate(prompts, greedy)]
-        assert after != before
-        assert after == [model_greedy(model, p, MAX_NEW) for p in prompts]
-    assert engine.pid is None
-    assert_all_gone(processes, pgid)
-    engine.close()  # idempotent
-
-
-def test_sidecar_is_stopped_when_the_caller_raises(tiny_model, policy, kv_cache_env):
     with pytest.raises(RuntimeError, match="injected"):
         with start(tiny_model, policy) as engine:
             processes = server_processes(engine)
             pgid = os.getpgid(engine.pid)
-            assert len(engine.generate([[5, 6, 7]], SamplingConfig(max_new_tokens=4))[0]) == 1
+            assert pgid == engine.pid and pgid != os.getpgid(0)  # its own process group
+
+            sampled = engine.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, n=4, stop_token_ids=[2]))
+            assert [len(s) for s in sampled] == [4, 4, 4]
+            for samples in sampled:
+                assert len({tuple(c.token_ids) for c in samples}) > 1
+                for c in samples:
+                    assert 1 <= len(c.token_ids) <= MAX_NEW and len(c.logprobs) == len(c.token_ids)
+                    assert c.finish_reason == ("stop" if c.token_ids[-1] == 2 else "length")
+
+            greedy = SamplingConfig(max_new_tokens=MAX_NEW, temperature=0)
+            before = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+            assert before == [model_greedy(model, p, MAX_NEW) for p in prompts]
+            perturb(model, seed=4)
+            engine.sync_weights(model.state_dict().items())
+            after = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+            assert after != before
+            assert after == [model_greedy(model, p, MAX_NEW) for p in prompts]
             raise RuntimeError("injected failure inside the with block")
+    assert engine.pid is None
     assert_all_gone(processes, pgid)
+    engine.close()  # idempotent
 
 
 def test_sidecar_that_dies_at_start_reports_its_log(tmp_path, policy, kv_cache_env):
@@ -127,7 +125,7 @@ def test_sidecar_that_dies_at_start_reports_its_log(tmp_path, policy, kv_cache_e
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(RuntimeError, match="exited with code") as info:
         make_engine("vllm-server", model=model, tokenizer=tokenizer, model_path=str(tmp_path), max_model_len=512,
-                    server_timeout_s=240)
+                    server_timeout_s=240, dtype="float32")
     message = str(info.value)
     assert "model_type" in message  # vLLM's own complaint, from the log tail
     log = Path(re.search(r"log (\S+server\.log):", message).group(1))
@@ -140,9 +138,10 @@ def test_sidecar_that_dies_at_start_reports_its_log(tmp_path, policy, kv_cache_e
 def test_sidecar_dies_with_a_killed_trainer(tiny_model, kv_cache_env):
     """SIGKILL skips close() and atexit; the server's parent-death signal must still stop it."""
     script = ("import sys, time\n"
-              "from trainer.rollout.vllm_engine import VLLMServerEngine\n"
-              "engine = VLLMServerEngine(sys.argv[1], max_model_len=512)\n"
-              "print(engine.pid, engine.log_path.parent, flush=True)\n"
+              "from trainer.rollout import make_engine\n"
+              "engine = make_engine('vllm-server', model=None, tokenizer=None, model_path=sys.argv[1], "
+              "max_model_len=512)\n"
+              "print(engine.pid, engine.server.workdir, flush=True)\n"
               "time.sleep(600)\n")
     trainer = subprocess.Popen([sys.executable, "-c", script, tiny_model], stdout=subprocess.PIPE, text=True,
                                cwd=Path(__file__).resolve().parents[2])

@@ -214,3 +214,22 @@ def test_grpo_rloo_estimator_trains(tiny_model, tmp_path):
     a = load_file(tmp_path / "out" / "model.safetensors")
     b = load_file(Path(tiny_model) / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_first_iteration_log_probs_are_the_engines_sampling_log_probs(tiny_model, tmp_path, monkeypatch):
+    """At temperature 0.5, the old-policy and reference log-probs GRPO computes before its first update
+    (both from the starting weights) equal the hf engine's sampling log-probs, so the first iteration's
+    importance ratio is 1; with untempered logits they would differ by ~1 nat."""
+    from trainer import grpo
+
+    seen = []
+    real_update = grpo.update
+    monkeypatch.setattr(grpo, "update", lambda run, traj: seen.append(traj) or real_update(run, traj))
+    run_grpo(grpo_config(tiny_model, tmp_path, temperature=0.5, beta=0.1, num_iterations=2, max_steps=2))
+    traj = seen[0]
+    mask = traj.batch.completion_mask.bool()
+    engine = traj.batch.rollout_logps[mask]
+    assert mask.sum() > 50
+    for name, logps in (("old", traj.old_logps), ("reference", traj.ref_logps)):
+        ratio = torch.exp(logps[mask] - engine)
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0, msg=name)

@@ -120,3 +120,21 @@ def test_ppo_completions_show_score_and_mean_advantage(tiny_model, tmp_path):
     assert [set(s) for s in samples] == [{"step", "prompt", "completion", "rewards/target_frequency", "score",
                                           "advantage"}] * 2
     assert all(isinstance(s["advantage"], float) for s in samples)
+
+
+def test_rollout_log_probs_are_the_engines_sampling_log_probs(tiny_model, tmp_path, monkeypatch):
+    """At temperature 0.5, PPO's rollout-time policy and reference log-probs equal the hf engine's
+    sampling log-probs (TRL divides both by the temperature), so the first KL is 0 and the first ratio 1."""
+    from trainer import ppo
+
+    seen = []
+    real_rollout = ppo.rollout
+    monkeypatch.setattr(ppo, "rollout", lambda *a, **k: seen.append(real_rollout(*a, **k)) or seen[-1])
+    run_ppo(ppo_config(tiny_model, tmp_path, temperature=0.5, max_steps=2))
+    traj = seen[0]
+    P = traj.batch.prompt_width
+    mask = traj.mask.bool()
+    assert mask.sum() > 50
+    ratio = torch.exp(traj.logps[mask] - traj.batch.rollout_logps[:, P:][mask])
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
+    assert ckpt.read_history(str(tmp_path / "out"))[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)

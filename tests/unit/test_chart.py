@@ -90,6 +90,32 @@ def test_components_are_selectable():
     assert not by_kind(render_chart(VALUE_SETS["postgresql-external-s3"]), "NetworkPolicy")
 
 
+def test_hf_token_secret_only_when_a_token_is_given():
+    """secrets.hf.token makes the alignflow-hf Secret the pipeline's training steps read HF_TOKEN from; without a
+    token there is none (the steps' reference is optional), and the token appears in that Secret only."""
+    values = VALUE_SETS["sqlite-seaweedfs-auth-schedule"]
+    assert "alignflow-hf" not in {d["metadata"]["name"] for d in by_kind(render_chart(values), "Secret")}
+    token = "hf_t0ken-that-must-not-leak"
+    docs = render_chart({**values, "secrets": {**values["secrets"], "hf": {"token": token}}})
+    (hf,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "alignflow-hf"]
+    assert hf["stringData"] == {"HF_TOKEN": token}
+    kubernetes_validate.validate(hf, "1.30.0", strict=True)
+    assert [d["metadata"]["name"] for d in docs if token in json.dumps(d)] == ["alignflow-hf"]
+
+
+def test_registry_secret_is_a_docker_config_only_when_a_registry_is_given():
+    values = VALUE_SETS["sqlite-seaweedfs-auth-schedule"]
+    assert "alignflow-registry" not in {d["metadata"]["name"] for d in by_kind(render_chart(values), "Secret")}
+    registry = {"server": "registry.example.com", "username": "robot", "password": "pa55"}
+    docs = render_chart({**values, "secrets": {**values["secrets"], "registry": registry}})
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "alignflow-registry"]
+    assert secret["type"] == "kubernetes.io/dockerconfigjson"
+    kubernetes_validate.validate(secret, "1.30.0", strict=True)
+    config = json.loads(base64.b64decode(secret["data"][".dockerconfigjson"]))
+    assert config == {"auths": {"registry.example.com": {"username": "robot", "password": "pa55",
+                                                          "auth": base64.b64encode(b"robot:pa55").decode()}}}
+
+
 def mlflow_container(docs):
     deployment = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-mlflow"))
     return deployment["spec"]["template"]["spec"]["containers"][0]

@@ -2,9 +2,10 @@
 
 - ``hf``: transformers `generate` on the training model (reference; no vLLM needed).
 - ``vllm``: vLLM in the training process ("colocate"), weights pushed in place.
-- ``vllm-server``: a vLLM OpenAI-compatible server as a child process on its own devices.
+- ``vllm-server``: one `alignflow rollout-server` for the whole job (server.py), reached over HTTP
+  (server_client.py): a running one given by URL, or one started as a child of this process.
 
-Only `vllm_engine.py` imports vllm, and only when a vLLM engine is made.
+Only `vllm_engine.py` and `server.py` import vllm, and only when a vLLM engine or server is made.
 """
 
 from __future__ import annotations
@@ -20,27 +21,37 @@ __all__ = ["ENGINE_KINDS", "Completion", "HFEngine", "RolloutEngine", "SamplingC
 
 def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: int, dtype: str = "float32",
                 seed: int = 0, gpu_memory_utilization: float = 0.3, server_devices: str | None = None,
-                server_port: int | None = None, server_timeout_s: float = 300,
+                server_url: str | None = None, server_timeout_s: float = 240,
                 synced_gpus: bool = False) -> RolloutEngine:
     """Build a rollout engine.
 
     `model` / `tokenizer` serve the ``hf`` engine; the vLLM engines load `model_path` (an HF
     folder with config, weights and tokenizer) and then receive weights through sync_weights().
     `seed` seeds the engine's own random stream (SamplingConfig.seed=None continues it).
-    `server_devices` is the sidecar's CUDA_VISIBLE_DEVICES (e.g. "1"); None inherits the variable.
+    ``vllm-server``: `server_url` is a running `alignflow rollout-server`; None starts one as a child of
+    this process (stopped by close()), on `server_devices` (its CUDA_VISIBLE_DEVICES, e.g. "1"; None
+    inherits the variable). `server_timeout_s` bounds the wait for it to answer.
     `synced_gpus`: the hf engine's ranks step together (DeepSpeed ZeRO-3 on several ranks).
     """
     if kind == "hf":
         return HFEngine(model, tokenizer, seed=seed, max_model_len=max_model_len, synced_gpus=synced_gpus)
     if kind not in ("vllm", "vllm-server"):
         raise ValueError(f"unknown rollout engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")
+    if kind == "vllm-server":
+        from trainer.rollout.server_client import ServerProcess, VLLMServerEngine
+
+        if server_url is not None:
+            return VLLMServerEngine(server_url, max_model_len=max_model_len, timeout_s=server_timeout_s)
+        from trainer.rollout import vllm_engine
+
+        if not vllm_engine.vllm_available():
+            raise MissingExtra(message("vllm", f"The {kind!r} rollout engine (the 'hf' engine needs nothing more)"))
+        server = ServerProcess(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
+                               gpu_memory_utilization=gpu_memory_utilization, devices=server_devices)
+        return VLLMServerEngine(server.url, max_model_len=max_model_len, timeout_s=server_timeout_s, server=server)
     from trainer.rollout import vllm_engine
 
     if not vllm_engine.vllm_available():
         raise MissingExtra(message("vllm", f"The {kind!r} rollout engine (the 'hf' engine needs nothing more)"))
-    if kind == "vllm":
-        return vllm_engine.VLLMEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
-                                      gpu_memory_utilization=gpu_memory_utilization)
-    return vllm_engine.VLLMServerEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
-                                        gpu_memory_utilization=gpu_memory_utilization, devices=server_devices,
-                                        port=server_port, timeout_s=server_timeout_s)
+    return vllm_engine.VLLMEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
+                                  gpu_memory_utilization=gpu_memory_utilization)

@@ -32,12 +32,12 @@ class SamplingConfig:
     # engine, engines differ), also across a resume: pass e.g. config.seed + step. Every prompt and
     # sample of the call gets its own seed, and seeds s and s+1 share none. None continues the
     # engine's own stream (seeded by make_engine(seed=...)): reproducible for `hf` and in-process
-    # `vllm`, not for `vllm-server` (concurrent requests batch in arrival order). A CPU sidecar
-    # ignores seeds (vLLM-CPU cannot seed requests; see vllm_engine.request_seed).
+    # `vllm`, not for `vllm-server` unseeded (concurrent requests batch in arrival order). The
+    # server seeds every request, also on the CPU (where it turns chunked prefill off; server.py).
     seed: int | None = None
     # With a seed: a stable key per prompt of the call (e.g. its index in the dataset). A prompt's
     # samples then depend only on (seed, key) and the model, not on the prompts batched with it
-    # or the rank that draws it, so N ranks sample what one process would (hf, GPU vLLM). None:
+    # or the rank that draws it, so N ranks sample what one process would (hf, vllm-server, GPU vLLM). None:
     # the prompt's position in the call.
     prompt_keys: list[int] | None = None
     # Generation stops after the first of these ids (which is kept in the completion). Nothing

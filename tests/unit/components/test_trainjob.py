@@ -17,7 +17,8 @@ import yaml
 
 from components import kubejob, trainjob
 from components.images import TRAINER_IMAGE
-from components.kubernetes import SECRET_ENV
+from components.kubernetes import HUB_SECRET_ENV, SECRET_ENV
+from components.launcher import checkpoint_uri as launcher_checkpoint_uri  # the tests patch launcher's
 from pipelines import run as pipeline_run
 from tests.helpers import ROOT
 from trainer.config import ConfigError
@@ -34,7 +35,7 @@ GRPO = {
 INPUTS = {
     "model": "s3://bucket/run/sft/model",
     "dataset": "s3://bucket/data/math.jsonl",
-    "output_dir": "s3://bucket/run/grpo/model.staging",
+    "output_dir": "s3://bucket/pipe/run-1/checkpoints/grpo",
 }
 
 
@@ -49,7 +50,7 @@ def script_of(manifest) -> str:
 
 def test_two_node_grpo_trainjob_shape(monkeypatch):
     secret = "s3cr3t-value-that-must-not-leak"
-    for keys in SECRET_ENV.values():
+    for keys in [*SECRET_ENV.values(), *HUB_SECRET_ENV.values()]:
         for env in keys.values():
             monkeypatch.setenv(env, secret)
     job, _ = two_node_grpo()
@@ -74,7 +75,7 @@ def test_two_node_grpo_trainjob_shape(monkeypatch):
     assert (
         stage["output_dir"] == INPUTS["output_dir"] and "nodes" not in stage and "gpus_per_node" not in stage
     )
-    for secret_name, keys in SECRET_ENV.items():
+    for secret_name, keys in {**SECRET_ENV, **HUB_SECRET_ENV}.items():  # the Hub token too: these are training pods
         for key, var in keys.items():
             assert env[var]["valueFrom"]["secretKeyRef"] == {
                 "name": secret_name,
@@ -82,6 +83,7 @@ def test_two_node_grpo_trainjob_shape(monkeypatch):
                 "optional": True,
             }
     assert secret not in json.dumps(job)
+    assert trainjob.pod_templates(job)[0]["spec"]["imagePullSecrets"] == [{"name": "alignflow-registry"}]
     (patch,) = job["spec"]["runtimePatches"]
     assert patch["manager"] == trainjob.PATCH_MANAGER
     (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
@@ -109,6 +111,7 @@ def test_two_node_grpo_pytorchjob_shape():
         assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456}]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "5"
         assert "deepspeed_zero3.yaml" in container["command"][2]
+        assert replica["template"]["spec"]["imagePullSecrets"] == [{"name": "alignflow-registry"}]
 
 
 def test_without_vllm_server_no_rollout_gpu_and_ddp_without_deepspeed():
@@ -122,13 +125,16 @@ def test_without_vllm_server_no_rollout_gpu_and_ddp_without_deepspeed():
 @pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
 def test_job_pods_are_locked_down(kind):
     """Every pod of the job: the trainer image's non-root uid, RuntimeDefault seccomp, no privilege
-    escalation or capabilities, no ServiceAccount token, and the label MLflow's NetworkPolicy admits."""
-    job, _ = two_node_grpo(job_kind=kind)
+    escalation or capabilities, the label MLflow's NetworkPolicy admits, and `service_account`. A
+    PyTorchJob's pods get no ServiceAccount token; a TrainJob's runtime patch has no field for that
+    (tests/unit/components/test_job_crds.py), so its pods rely on the account's own setting."""
+    job, _ = two_node_grpo(job_kind=kind, service_account="rel-alignflow")
     dockerfile = (ROOT / "images" / "trainer" / "Dockerfile").read_text()
     image_uid = [line.split()[1].split(":")[0] for line in dockerfile.splitlines() if line.startswith("USER ")][-1]
     for template in trainjob.pod_templates(job):
         spec = template["spec"]
-        assert spec["automountServiceAccountToken"] is False
+        assert spec.get("automountServiceAccountToken") is (False if kind == "PyTorchJob" else None)
+        assert spec["serviceAccountName"] == "rel-alignflow"
         assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": int(image_uid),
                                            "runAsGroup": int(image_uid), "seccompProfile": {"type": "RuntimeDefault"}}
         (container,) = spec["containers"]
@@ -256,8 +262,9 @@ def test_prepare_config_copies_object_store_inputs(tmp_path, monkeypatch):
         ({"nodes": True}, "`nodes` must be a whole number >= 1, got True"),
         ({"nodes": 1.5}, "`nodes` must be a whole number >= 1, got 1.5"),
         ({"nodes": 2, "job_kind": "MPIJob"}, "`job_kind` must be one of TrainJob, PyTorchJob"),
-        ({"nodes": 2, "gpus_per_node": 4, "rollout_engine": "vllm-server"}, "set it below 0.250"),
         ({"nodes": 2, "rollout_engine": "vllm"}, "rollout_engine=vllm runs vLLM inside the training process"),
+        ({"nodes": 2, "rollout_engine": "vllm-server", "vllm_gpu_memory_utilization": 1.5},
+         "give a number in (0, 1], got 1.5"),
         (
             {"nodes": 2, "rollout_engine": "vllm-server", "vllm_server_devices": "7"},
             "`vllm_server_devices` is set by",
@@ -332,9 +339,6 @@ def test_kfp_paths_map_back_to_object_store_uris():
     assert values == {"model": "s3://b/m", "dataset": "s3://b/d", "reward_funcs": ["x", "s3://b/rm"]}
     with pytest.raises(ConfigError, match="`model` is the local path '/home/me/model'"):
         trainjob.remote_inputs({"model": "/home/me/model", "dataset": "s3://b/d"})
-    assert (
-        trainjob.staging_uri("minio://mlpipeline/run/grpo/model") == "s3://mlpipeline/run/grpo/model.staging"
-    )
 
 
 def test_download_takes_the_complete_final_model_without_step_checkpoints(tmp_path):
@@ -515,43 +519,117 @@ def test_job_outcome():
     assert kubejob.job_outcome({"kind": "PyTorchJob", "status": condition("Complete")}) == (None, "")
 
 
-def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
-    """train_stage with nodes: 2 renders a job for the artifacts' URIs, waits, downloads the staged model."""
-    from components import launcher
+class FakeStore:
+    """KFP's `/s3/<bucket>/...` task paths mapped to an in-memory object store (fsspec's `memory://`), so the
+    launcher's own path -> URI mapping and checkpoint prefix run unchanged, and the trainer's `auto` finds what a
+    job's pods left there."""
 
-    submitted = []
+    def __init__(self, monkeypatch):
+        import fsspec
 
-    def fake_wait(manifest, **kwargs):
-        submitted.append(manifest)
-        staging = tmp_path / "bucket" / "run" / "grpo" / "model.staging"
-        staging.mkdir(parents=True)
-        (staging / "alignflow.json").write_text(json.dumps({"metrics": {"reward": 0.5}}))
-        (staging / "alignflow.complete").write_text("{}")
+        self.fs = fsspec.filesystem("memory")
+        self.fs.store.clear()
+        self.fs.pseudo_dirs.clear()
+        self.fs.pseudo_dirs.append("")
+        monkeypatch.setattr(
+            trainjob, "remote_uri", lambda p: "memory://" + p[len("/s3/"):] if p.startswith("/s3/") else p
+        )
 
-    monkeypatch.setattr(trainjob, "submit_and_wait", fake_wait)
-    monkeypatch.setattr(trainjob, "staging_uri", lambda uri: str(tmp_path / "bucket/run/grpo/model.staging"))
-    monkeypatch.setattr(launcher, "parent_run_id", lambda: "parent123")  # found by the run-id tag
-    out = SimpleNamespace(path=str(tmp_path / "out"), uri="s3://bucket/run/grpo/model")
-    metrics = SimpleNamespace(logged={}, log_metric=lambda k, v: metrics.logged.__setitem__(k, v),
-                              path=str(tmp_path / "metrics"))
-    report = SimpleNamespace(path=str(tmp_path / "report.html"))
+    def write(self, uri: str, text: str) -> None:
+        with self.fs.open(uri, "w") as fh:
+            fh.write(text)
+
+
+def train_two_nodes(launcher, monkeypatch, tmp_path, attempt: str):
+    """One attempt of a cluster task training GRPO on two nodes. KFP gives each attempt its own output URI
+    (`.../<task>/<attempt>/model`, seen in the pod as the /s3/ path) and a local folder the task writes it to."""
+    kfp_path = f"/s3/bucket/pipe/run-1/grpo-task/{attempt}/model"
+    out = SimpleNamespace(path=str(tmp_path / attempt / "model"), uri="memory://" + kfp_path[len("/s3/"):])
+    metrics = SimpleNamespace(logged={}, path=str(tmp_path / attempt / "metrics"))
+    metrics.log_metric = lambda k, v: metrics.logged.__setitem__(k, v)
+    # The launcher keys checkpoints by the output's task path: give it the one KFP would, not the local stand-in.
+    monkeypatch.setattr(launcher, "checkpoint_uri", lambda path, real=launcher_checkpoint_uri: real(kfp_path))
     launcher.train_stage(
         "grpo",
         {"nodes": 2.0, "num_generations": 4},
-        model_in="/s3/bucket/run/sft/model",
+        model_in="/s3/bucket/pipe/run-1/sft-task/a/model",
         dataset="/s3/bucket/data/math.jsonl",
         model_out=out,
         metrics_out=metrics,
-        report_out=report,
+        report_out=SimpleNamespace(path=str(tmp_path / attempt / "report.html")),
         knobs={"max_steps": 7, "learning_rate": 0.0, "num_generations": 8},
     )
-    (job,) = submitted
-    stage = json.loads(job["spec"]["trainer"]["env"][0]["value"])
-    assert stage["model"] == "s3://bucket/run/sft/model" and stage["dataset"] == "s3://bucket/data/math.jsonl"
+    return out, metrics
+
+
+def finish_job(store, stage: dict) -> None:
+    """What a job's rank 0 leaves when it finishes: the final model, marked complete, in `output_dir`."""
+    store.write(f"{stage['output_dir']}/alignflow.json", json.dumps({"metrics": {"reward": 0.5}}))
+    store.write(f"{stage['output_dir']}/alignflow.complete", "{}")
+
+
+def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
+    """train_stage with nodes: 2 renders a job for the artifacts' URIs, waits, downloads the model it trained."""
+    from components import launcher
+    from components.kubernetes import RUN_ID_ENV
+
+    store, submitted = FakeStore(monkeypatch), []
+
+    def fake_wait(manifest, **kwargs):
+        submitted.append(json.loads(manifest["spec"]["trainer"]["env"][0]["value"]))
+        finish_job(store, submitted[-1])
+
+    monkeypatch.setenv(RUN_ID_ENV, "run-1")
+    monkeypatch.setattr(trainjob, "submit_and_wait", fake_wait)
+    monkeypatch.setattr(launcher, "parent_run_id", lambda: "parent123")  # found by the run-id tag
+    out, metrics = train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-1")
+    (stage,) = submitted
+    assert stage["model"] == "memory://bucket/pipe/run-1/sft-task/a/model"
+    assert stage["dataset"] == "memory://bucket/data/math.jsonl"
+    assert stage["output_dir"] == "memory://bucket/pipe/run-1/checkpoints/grpo-task"  # the run's and task's
     assert stage["mlflow_parent_run_id"] == "parent123" and stage["resume_from_checkpoint"] == "auto"
     assert stage["max_steps"] == 7 and stage["num_generations"] == 4  # the knob fills in; the stage's key wins
     assert metrics.logged == {"reward": 0.5} and Path(out.path, "alignflow.complete").exists()
-    assert not (tmp_path / "bucket/run/grpo/model.staging").exists()  # removed once downloaded
+    assert not store.fs.exists(stage["output_dir"])  # removed once downloaded
+
+
+def test_a_retried_multi_node_task_resumes_from_the_checkpoints_of_the_failed_attempt(tmp_path, monkeypatch):
+    """Attempt 1's job writes checkpoint-3 and fails (a node was preempted). KFP retries the task with a new output
+    URI; attempt 2's job gets the same `output_dir`, where the trainer's `auto` finds checkpoint-3. An attempt that
+    starts after the job finished but before the task did (its download failed) submits no job at all."""
+    from components import launcher
+    from components.kubernetes import RUN_ID_ENV
+    from trainer import checkpoint as ckpt
+
+    store, submitted = FakeStore(monkeypatch), []
+
+    def preempted_then_finished(manifest, **kwargs):
+        stage = json.loads(manifest["spec"]["trainer"]["env"][0]["value"])
+        submitted.append(stage)
+        if len(submitted) == 1:
+            store.write(f"{stage['output_dir']}/checkpoint-3/training_state/state.json", "{}")
+            store.write(f"{stage['output_dir']}/checkpoint-3/alignflow.complete", "{}")
+            raise RuntimeError("TrainJob alignflow-grpo-1 failed: node-1 was preempted")
+        found = ckpt.find_resume(stage["resume_from_checkpoint"], stage["output_dir"])
+        assert found is not None and found[0].endswith("/checkpoint-3"), found  # what the job's ranks resume from
+        finish_job(store, stage)
+
+    monkeypatch.setenv(RUN_ID_ENV, "run-1")
+    monkeypatch.setattr(trainjob, "submit_and_wait", preempted_then_finished)
+    monkeypatch.setattr(launcher, "parent_run_id", lambda: "")
+    with pytest.raises(RuntimeError, match="preempted"):
+        train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-1")
+    download = trainjob.download_complete
+    monkeypatch.setattr(trainjob, "download_complete", lambda *a: (_ for _ in ()).throw(OSError("store hiccup")))
+    with pytest.raises(OSError, match="store hiccup"):
+        train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-2")
+    monkeypatch.setattr(trainjob, "download_complete", download)
+    out, metrics = train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-3")
+
+    assert len(submitted) == 2 and submitted[0]["output_dir"] == submitted[1]["output_dir"]
+    assert "attempt" not in submitted[0]["output_dir"]
+    assert metrics.logged == {"reward": 0.5} and Path(out.path, "alignflow.complete").exists()
+    assert not store.fs.exists(submitted[0]["output_dir"])
 
 
 def test_follower_thread_stops():
@@ -636,6 +714,7 @@ def test_a_sections_bf16_sets_the_ranks_precision_and_a_contradiction_is_refused
     ("memory_per_node", "64Gi", "cluster.train.memory"),
     ("shm_size", "16Gi", "cluster.train.shm_size"),
     ("job_kind", "PyTorchJob", "remove it"),
+    ("service_account", "rel-alignflow", "remove it"),
 ])
 def test_pod_keys_on_one_node_are_refused_naming_the_cluster_setting(key, value, where):
     multi, _ = trainjob.split_config({key: value})

@@ -59,6 +59,30 @@ def test_yaml_carries_gpus_secrets_retries_and_no_credentials(tmp_path, monkeypa
     assert "retryPolicy" in text and "backoffDuration: 60s" in text
 
 
+def test_hf_token_reaches_only_the_tasks_that_load_or_push_models_and_every_pod_gets_the_pull_secret(tmp_path,
+                                                                                                  monkeypatch):
+    """HF_TOKEN reaches the training and evaluation tasks from the optional Secret alignflow-hf; the light tasks
+    (check-inputs, start/finish-run, promote) get no Hub token; the token is no pipeline parameter, and a token in
+    the compiling process's environment does not leak into the YAML."""
+    token = "hf_t0ken-that-must-not-leak"
+    monkeypatch.setenv("HF_TOKEN", token)
+    text = compiled(tmp_path)
+    assert token not in text
+    pipeline_spec, platform_spec = yaml.safe_load_all(text)
+    assert not [name for name in pipeline_spec["root"]["inputDefinitions"]["parameters"] if "token" in name.lower()]
+    k8s = platform_spec["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    hub = {name.removeprefix("exec-"): [s for s in e.get("secretAsEnv", []) if s["secretName"] == "alignflow-hf"]
+           for name, e in k8s.items()}
+    with_token = {name for name, found in hub.items() if found}
+    assert {"sft", "reward-model", "grpo", "dpo", "ppo"} <= with_token and any(n.startswith("evaluate") for n in with_token)
+    assert not with_token & {"check-inputs", "start-run", "finish-run"} and not any(
+        n.startswith("promote") for n in with_token)
+    (secret,) = hub["sft"]
+    assert secret["keyToEnv"] == [{"secretKey": "HF_TOKEN", "envVar": "HF_TOKEN"}] and secret["optional"] is True
+    # Every task's pod may pull the trainer image from a private registry with the alignflow-registry Secret.
+    assert all([s["secretName"] for s in e["imagePullSecret"]] == ["alignflow-registry"] for e in k8s.values())
+
+
 def test_cluster_section_changes_resources(tmp_path):
     config = pipeline_run.load_pipeline_config(DEMO, {"cluster": {"train": {"gpus": 4, "accelerator": "nvidia.com/gpu",
                                                                              "node_selector": {"pool": "h100"}}}})

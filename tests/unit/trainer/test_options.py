@@ -50,6 +50,33 @@ def test_use_cpu_keeps_a_gpu_machine_on_the_cpu():
     assert kwargs["cpu"] is True  # accelerate's cpu flag: device cpu, MULTI_CPU ranks over gloo under torchrun
 
 
+def test_fp16_on_the_cpu_is_a_note_not_an_error(caplog):
+    """accelerate takes `fp16` on the CPU and computes in float32 (no autocast, no scaler): say so, and train."""
+    if torch.cuda.is_available():
+        pytest.skip("fp16 works on a GPU")
+    with caplog.at_level("WARNING", logger="trainer.distributed"):
+        accelerator = distributed.make_accelerator(_config("sft", dataset="demo", fp16=True))
+    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
+    notes = [r.getMessage() for r in caplog.records if "`fp16`" in r.getMessage()]
+    assert len(notes) == 1 and "no effect on the CPU" in notes[0] and "`bf16`" in notes[0], notes
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer.distributed"):
+        distributed.make_accelerator(_config("sft", dataset="demo"))
+    assert not [r for r in caplog.records if "`fp16`" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("rows", "batch", "accumulation", "noted"), [(1, 8, 1, True), (6, 4, 2, True), (8, 4, 2, False)])
+def test_fewer_examples_than_one_step_takes_is_a_note(rows, batch, accumulation, noted, caplog):
+    config = _config("sft", dataset="demo", per_device_batch_size=batch, gradient_accumulation_steps=accumulation,
+                     max_steps=2)
+    with caplog.at_level("WARNING", logger="trainer.loop"):
+        assert total_steps(config, rows) == 2
+    notes = [r.getMessage() for r in caplog.records if "fewer than one optimizer step takes" in r.getMessage()]
+    assert len(notes) == noted, notes
+    if noted:
+        assert f"= {batch * accumulation})" in notes[0] and f"`epoch` grows by {batch * accumulation / rows:.3g}" in notes[0]
+
+
 def test_ddp_timeout_and_find_unused_parameters_reach_the_process_group_and_ddp():
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -147,6 +174,8 @@ _ROLLOUT = "changes sampling or the rollout engine: tests/unit/trainer/test_roll
 _DATA = "changes how rows are tokenized, masked or packed: tests/unit/trainer/test_data.py, test_sft.py, test_dpo.py"
 _RUN = "checkpoints, logging or tracking during a run: tests/stage (resume, saving) and tests/unit/trainer/test_tracking.py"
 _MODEL = "loads or builds the model: tests/stage and tests/unit/trainer/test_models.py"
+_SERVER = ("which rollout server the job uses and how long it waits for it: tests/e2e/test_rollout_server.py and "
+           "tests/unit/trainer/test_rollout_server_client.py")
 ALLOWED = {
     "model": _MODEL, "trust_remote_code": _MODEL, "dtype": _MODEL, "gradient_checkpointing": _MODEL,
     "lora_r": _MODEL, "lora_alpha": _MODEL, "lora_dropout": _MODEL, "lora_target_modules": _MODEL,
@@ -174,7 +203,8 @@ ALLOWED = {
     "top_k": _ROLLOUT, "epsilon": _LOSS, "epsilon_high": _LOSS, "num_iterations": _LOSS, "advantage_estimator": _LOSS,
     "scale_rewards": _LOSS, "mask_truncated_completions": _LOSS, "rollout_engine": _ROLLOUT,
     "vllm_gpu_memory_utilization": _ROLLOUT, "vllm_server_devices": _ROLLOUT, "importance_sampling_correction": _LOSS,
-    "importance_sampling_cap": _LOSS, "share_prompt": _ROLLOUT,
+    "importance_sampling_cap": _LOSS, "share_prompt": _ROLLOUT, "vllm_server_host": _SERVER,
+    "vllm_server_port": _SERVER, "vllm_server_base_url": _SERVER, "vllm_server_timeout": _SERVER,
     "batch_size": _LOSS, "mini_batch_size": _LOSS, "ppo_epochs": _LOSS, "gamma": _LOSS, "lam": _LOSS,
     "cliprange": _LOSS, "cliprange_value": _LOSS, "vf_coef": _LOSS, "whiten_rewards": _LOSS, "init_kl_coef": _LOSS,
     "adap_kl_ctrl": _LOSS, "target_kl": _LOSS, "horizon": _LOSS, "missing_eos_penalty": _LOSS,
@@ -199,8 +229,8 @@ IGNORED_TRL_NAMES = {
                      "entropy_coef_max", "entropy_coef_min", "entropy_target", "sapo_temperature_neg",
                      "sapo_temperature_pos", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos"),
                     "a parameter of a feature that is itself rejected unless off (quantisation, other losses)"),
-    **dict.fromkeys(("vllm_group_port", "vllm_max_model_length", "vllm_server_host", "vllm_server_port",
-                     "vllm_server_timeout"), "alignflow starts and sizes its own vLLM server"),
+    **dict.fromkeys(("vllm_group_port", "vllm_max_model_length"),
+                    "how weights reach the rollout server and its size: no effect on the update"),
 }
 
 
@@ -226,7 +256,7 @@ def _observe(stage: str, config, monkeypatch) -> dict:
     """What a run would use, computed without a model: devices and process group, the launch command, the
     training and held-out rows, the number of steps, the optimizer and the learning-rate schedule, the
     evaluation batches and tracking. A field that changes none of these is silent (or on ALLOWED)."""
-    monkeypatch.setattr(launch, "_free_port", lambda: 1)
+    monkeypatch.setattr(launch, "free_port", lambda: 1)
     seen: dict = {"accelerator": repr(distributed.accelerator_kwargs(config, cuda=True,
                                                                       deepspeed=bool(config.deepspeed))),
                   "launch": launch.launch_command(stage, [], config) if launch.needs_launch(config) else None,

@@ -69,13 +69,15 @@ def test_make_engine_builds_hf_and_rejects_unknown_kinds(policy):
         make_engine("sglang", model=model, tokenizer=tokenizer, model_path="unused", max_model_len=64)
 
 
-def test_only_vllm_engine_imports_vllm_and_only_lazily():
-    """STYLE rule 5: vllm appears in one module, and importing the package does not load it."""
+def test_only_vllm_engine_and_the_server_import_vllm_and_only_lazily():
+    """STYLE rule 5: vllm appears in the in-process engine and the rollout server only, and importing the
+    package (or the server's client) does not load it."""
     root = ROOT / "trainer"
     importers = {str(p.relative_to(root)) for p in root.rglob("*.py")
                  if re.search(r"^\s*(import vllm|from vllm[ .])", p.read_text(), re.M)}
-    assert importers <= {"rollout/vllm_engine.py"}
-    code = ("import sys, trainer.rollout, trainer.rollout.vllm_engine, trainer.rollout.vllm_ext; "
+    assert importers <= {"rollout/vllm_engine.py", "rollout/server.py"}
+    code = ("import sys, trainer.rollout, trainer.rollout.vllm_engine, trainer.rollout.vllm_ext, "
+            "trainer.rollout.server, trainer.rollout.server_client; "
             "assert 'vllm' not in sys.modules, 'vllm imported at module level'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent)
 

@@ -372,3 +372,19 @@ def test_system_metrics(sqlite_uri, client, monkeypatch):
     off = Tracker(_config(sqlite_uri, mlflow_experiment="unit"), stage="sft", system_metrics=False)
     assert off._monitor is None
     off.finish()
+
+
+def test_container_image_reaches_the_manifest_and_the_run_tags(monkeypatch):
+    """A task started in a container (ALIGNFLOW_IMAGE / ALIGNFLOW_IMAGE_DIGEST from the runner) records the
+    image in alignflow.json; outside one the keys are absent."""
+    from trainer.checkpoint import build_manifest
+    from trainer.tracking import container_image
+
+    monkeypatch.delenv("ALIGNFLOW_IMAGE", raising=False)
+    monkeypatch.delenv("ALIGNFLOW_IMAGE_DIGEST", raising=False)
+    assert container_image() == {}
+    assert "image_digest" not in build_manifest("sft", TrainConfig(model="base", dataset="demo"), "base", {}, {}, 1)
+    monkeypatch.setenv("ALIGNFLOW_IMAGE", "reg.example/trainer:1-cpu")
+    monkeypatch.setenv("ALIGNFLOW_IMAGE_DIGEST", "sha256:" + "ab" * 32)
+    manifest = build_manifest("sft", TrainConfig(model="base", dataset="demo"), "base", {}, {}, 1)
+    assert manifest["image"] == "reg.example/trainer:1-cpu" and manifest["image_digest"] == "sha256:" + "ab" * 32

@@ -1,0 +1,193 @@
+"""The trainer's side of `alignflow rollout-server`, against a stand-in HTTP server (no vLLM, fast):
+the errors a user meets, how weights are streamed, and `distributed.full_weights` (module by module, LoRA merged).
+
+The real server is exercised in tests/e2e/test_rollout_server.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers import free_port
+from trainer import distributed
+from trainer.config import ConfigError
+from trainer.rollout import SamplingConfig
+from trainer.rollout.server_client import RolloutServerError, VLLMServerEngine, server_url
+
+NAMES = ["model.embed_tokens.weight", "lm_head.weight"]
+
+
+class StandIn(ThreadingHTTPServer):
+    """Answers /ready like the real server, one fixed completion per request, and records weight chunks."""
+
+    def __init__(self, max_model_len: int = 64):
+        self.info = {"model": "m", "max_model_len": max_model_len, "dtype": "float32", "weight_names": NAMES}
+        self.chunks: list[dict[str, torch.Tensor]] = []
+        self.commits = 0
+        self.requests: list[dict] = []
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def _reply(self, body: dict, code: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._reply(self.server.info)
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/weights/chunk":
+            from safetensors.torch import load
+
+            self.server.chunks.append(load(body))
+            return self._reply({"tensors": len(self.server.chunks[-1])})
+        if self.path == "/weights/commit":
+            self.server.commits += 1
+            return self._reply({"seconds": 0.01})
+        request = json.loads(body)
+        self.server.requests.append(request)
+        choices = [{"index": j, "token_ids": [7, 8, 2], "logprobs": {"token_logprobs": [-0.5, -0.25, -1.0]}}
+                   for j in range(request["n"])]
+        self._reply({"choices": choices})
+
+
+@pytest.fixture
+def standin():
+    server = StandIn()
+    yield server
+    server.stop()
+
+
+def test_server_url_from_trl_options():
+    assert server_url(None, None, None) is None
+    assert server_url("10.0.0.2", None, None) == "http://10.0.0.2:8000"  # TRL's default port
+    assert server_url(None, 9000, None) == "http://127.0.0.1:9000"
+    assert server_url("h", 1, "http://rollout:8000/") == "http://rollout:8000"
+
+
+def test_an_unreachable_server_is_one_line_naming_the_options_within_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(RolloutServerError) as info:
+        VLLMServerEngine(f"http://127.0.0.1:{free_port()}", max_model_len=64, timeout_s=1.5)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert 1.5 <= elapsed < 6, elapsed
+    assert "\n" not in message
+    assert "within 1.5 s" in message and "vllm_server_timeout" in message and "alignflow rollout-server" in message
+
+
+def test_a_server_that_stops_mid_run_is_one_line(standin):
+    engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5)
+    assert engine.generate([[5, 6]], SamplingConfig(max_new_tokens=4))[0][0].token_ids == [7, 8, 2]
+    standin.stop()
+    with pytest.raises(RolloutServerError, match="stopped answering") as info:
+        engine.generate([[5, 6]], SamplingConfig(max_new_tokens=4))
+    assert "\n" not in str(info.value) and "resume_from_checkpoint" in str(info.value)
+
+
+def test_a_server_too_short_for_the_run_is_refused(standin):
+    with pytest.raises(RolloutServerError, match="--max_model_len 100"):
+        VLLMServerEngine(standin.url, max_model_len=100, timeout_s=5)
+
+
+def test_requests_carry_a_seed_per_prompt_that_does_not_depend_on_the_batch(standin):
+    engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5)
+    out = engine.generate([[5], [6]], SamplingConfig(max_new_tokens=4, n=3, seed=11, prompt_keys=[40, 41],
+                                                     stop_token_ids=[8]))
+    assert [c.token_ids for c in out[0]] == [[7, 8]] * 3 and out[0][0].finish_reason == "stop"
+    seeds = sorted(r["seed"] for r in standin.requests)
+    engine.generate([[6]], SamplingConfig(max_new_tokens=4, n=3, seed=11, prompt_keys=[41]))  # alone: same seed
+    assert standin.requests[-1]["seed"] == seeds[1] and seeds[0] != seeds[1]
+
+
+def test_sync_weights_streams_chunks_then_commits_once(standin):
+    engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5, chunk_bytes=100)
+    shared = torch.randn(4, 8)  # tied: two names, one storage (safetensors refuses shared tensors)
+    tensors = [("model.embed_tokens.weight", shared), ("lm_head.weight", shared), ("b", torch.ones(3))]
+    engine.sync_weights(iter(tensors))
+    assert len(standin.chunks) == 3 and standin.commits == 1  # 128 B each: one chunk per tensor
+    got = {k: v for chunk in standin.chunks for k, v in chunk.items()}
+    assert set(got) == {name for name, _ in tensors}
+    for name, tensor in tensors:
+        assert torch.equal(got[name], tensor)
+    assert engine.last_push["bytes"] > 0 and engine.last_push["chunks"] == 3
+
+
+def test_server_options_need_the_server_engine_and_one_address(tmp_path):
+    from tests.helpers import grpo_config
+
+    with pytest.raises(ConfigError, match="`vllm_server_host` addresses a rollout server.*rollout_engine vllm-server"):
+        grpo_config("m", tmp_path, vllm_server_host="h")
+    with pytest.raises(ConfigError, match="not both"):
+        grpo_config("m", tmp_path, rollout_engine="vllm-server", vllm_server_port=9, vllm_server_base_url="http://h:9")
+    with pytest.raises(ConfigError, match="vllm_server_timeout"):
+        grpo_config("m", tmp_path, rollout_engine="vllm-server", vllm_server_timeout=0)
+
+
+# -- distributed.full_weights ---------------------------------------------------------------------
+
+
+def _tiny_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+NO_DEEPSPEED = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))
+
+
+def test_full_weights_is_the_state_dict_module_by_module():
+    model = _tiny_lm()
+    got = dict(distributed.full_weights(NO_DEEPSPEED, model, model))
+    expected = model.state_dict()
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_full_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_base_untouched():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_tiny_lm(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # B starts at 0: make the adapter change something
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = dict(distributed.full_weights(NO_DEEPSPEED, model, model))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing merged in place
+    import copy
+
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(got) == set(merged)
+    assert max(float((got[k] - merged[k]).abs().max()) for k in merged) < 1e-6
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(got[q], before[f"base_model.model.{q.removesuffix('.weight')}.base_layer.weight"])

@@ -1,0 +1,310 @@
+"""The trainer's side of `alignflow rollout-server` (server.py): an HTTP client, and the server as a child process.
+
+`VLLMServerEngine` is the `vllm-server` rollout engine. It talks to one server that the whole job
+shares: one given by URL (TRL's `vllm_server_host`/`vllm_server_port` or `vllm_server_base_url`), or
+one that `start_server` starts as a child of the job's first rank. Imports no vllm: only the server does.
+
+- generate: one `/v1/completions` request per prompt, with token-id prompts and a seed per prompt
+  (`base.sample_seed`), so a prompt's samples depend on (seed, prompt key) and the weights only, not
+  on what else the server batches with it: N ranks sample what one process samples.
+- sync_weights: the tensors are streamed to `/weights/chunk` in safetensors chunks of about
+  `chunk_bytes` as the iterator yields them (so a caller that gathers a ZeRO-3 model module by module
+  never holds the whole model), then `/weights/commit` loads them all at once.
+- Every failure to reach the server is a `RolloutServerError`: one line with the URL, what failed,
+  and what to do. A server that dies mid-run ends the job with it (no reconnect); the job resumes
+  from its last checkpoint (`resume_from_checkpoint auto`), and its first act is to push its weights.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from trainer.launch import free_port
+from trainer.rollout.base import (
+    Completion,
+    EngineContext,
+    SamplingConfig,
+    check_prompts,
+    fill_to_n,
+    sample_seed,
+    samples_per_request,
+    truncate_at_stop,
+)
+from trainer.rollout.server import SERVED_NAME
+from trainer.rollout.vllm_engine import sampling_fields
+
+# Runs before the server's own interpreter (via exec, same pid): on Linux, ask for SIGTERM when
+# the thread that started us dies, even by SIGKILL, so a crashed trainer leaves no server behind.
+# (No preexec_fn: it is unsafe in a process with threads.) argv: trainer pid, then python's args.
+_LAUNCHER = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the process that started the rollout server is gone")
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+CHUNK_BYTES = 256 * 2**20
+
+
+class RolloutServerError(RuntimeError):
+    """The rollout server cannot be reached, refused a request, or stopped: the message says what to do."""
+
+
+def server_url(host: str | None, port: int | None, base_url: str | None) -> str | None:
+    """The URL of a running server from TRL's options; None when none is given (the job starts its own)."""
+    if base_url:
+        return base_url.rstrip("/")
+    if host or port:
+        return f"http://{host or '127.0.0.1'}:{port or 8000}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The server as a child process
+
+
+class ServerProcess:
+    """`python -m trainer.rollout.server` in its own process group; stopped with its group on close()."""
+
+    def __init__(self, model_path: str, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
+                 gpu_memory_utilization: float = 0.3, devices: str | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workdir = Path(tempfile.mkdtemp(prefix="alignflow-rollout-server-"))
+        self.log_path = self.workdir / "server.log"
+        command = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "-m", "trainer.rollout.server",
+                   "--model", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
+                   "--max_model_len", str(max_model_len), "--dtype", dtype, "--seed", str(seed),
+                   "--gpu_memory_utilization", str(gpu_memory_utilization), "--drain_timeout", "0"]
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set for in-process engines; the server decides
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        root = str(Path(__file__).resolve().parents[2])  # trainer/ importable without an installed package
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        with open(self.log_path, "wb") as log:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        atexit.register(self.close)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        """Stop the server and every process it started (its process group); idempotent."""
+        atexit.unregister(self.close)
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        died_by_itself = proc.poll() is not None
+        stop_process_group(proc)
+        if not died_by_itself:  # else keep the log that the error message points at
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM the server's process group, wait, then SIGKILL whatever is left of it."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    deadline = time.monotonic() + timeout  # the engine-core process shares the group
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        if not live_group_members(proc.pid):  # only zombies left, e.g. under a PID 1 that never reaps
+            break
+        time.sleep(0.1)
+    proc.wait()
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are not zombies (Linux /proc; elsewhere assume some are)."""
+    proc_root = Path("/proc")
+    if not (proc_root / "self" / "stat").exists():
+        return [pgid]
+    live = []
+    for stat in proc_root.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+# ----------------------------------------------------------------------------------------------
+# The client
+
+
+class VLLMServerEngine(EngineContext):
+    """The rollout engine of a job whose generation runs in `alignflow rollout-server` at `url`.
+
+    `server`: the child process serving `url` when this engine started it (closed with the engine)."""
+
+    def __init__(self, url: str, *, max_model_len: int, timeout_s: float = 240, request_timeout_s: float = 3600,
+                 server: ServerProcess | None = None, chunk_bytes: int = CHUNK_BYTES):
+        self.url, self.max_model_len, self.server = url.rstrip("/"), max_model_len, server
+        self.request_timeout_s, self.chunk_bytes = request_timeout_s, chunk_bytes
+        self._closed = False
+        self.last_push: dict = {}
+        start = time.perf_counter()
+        try:
+            self.info = self._wait_ready(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - start
+        if self.info["max_model_len"] < max_model_len:
+            self.close()
+            raise RolloutServerError(
+                f"the rollout server at {self.url} serves max_model_len={self.info['max_model_len']}, but prompts and "
+                f"completions take up to {max_model_len} tokens: restart it with --max_model_len {max_model_len}, or "
+                "lower max_prompt_length / max_completion_length")
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline, last = time.monotonic() + timeout_s, "no answer"
+        while True:
+            if self.server is not None and self.server.exit_code() is not None:
+                raise RolloutServerError(f"the rollout server exited with code {self.server.exit_code()} during "
+                                         f"start-up; log {self.server.log_path}:\n{self.server.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=5) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:  # 503: up, but in the middle of a weight update
+                last = f"HTTP {e.code}"
+            except (OSError, ValueError) as e:
+                last = str(getattr(e, "reason", e))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        where = (f"; log {self.server.log_path}:\n{self.server.log_tail()}" if self.server is not None else
+                 ": start one with `alignflow rollout-server --model MODEL --port PORT`, check vllm_server_host / "
+                 "vllm_server_port (or vllm_server_base_url), or raise vllm_server_timeout")
+        raise RolloutServerError(f"no rollout server answered {self.url}/ready within {timeout_s:g} s "
+                                 f"(vllm_server_timeout; last: {last}){where}")
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid when this engine started it."""
+        return self.server.pid if self.server is not None else None
+
+    def close(self) -> None:
+        self._closed = True
+        if self.server is not None:
+            self.server.close()
+
+    def sleep(self) -> None:
+        """Nothing: the server owns its devices, freeing them would not help the trainer."""
+
+    def wake(self) -> None:
+        pass
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
+        fields = sampling_fields(sampling)
+
+        def one(i: int) -> list[Completion]:
+            seed = sample_seed(sampling, i) if sampling.seed is not None else None
+            body = dict(model=SERVED_NAME, prompt=list(prompts[i]), n=samples_per_request(sampling), seed=seed,
+                        return_token_ids=True, **fields)
+            choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+            return fill_to_n([truncate_at_stop(c["token_ids"], c["logprobs"]["token_logprobs"],
+                                               sampling.stop_token_ids) for c in choices], sampling.n)
+
+        # One request per prompt (each with its own seed); the server batches them with every rank's.
+        with ThreadPoolExecutor(max_workers=min(len(prompts), 64) or 1) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Stream the whole state dict (HF names) in chunks, then commit; `last_push` records bytes and seconds."""
+        from safetensors.torch import save
+
+        dtype = getattr(torch, self.info["dtype"])
+        start, sent, chunks = time.perf_counter(), 0, 0
+        chunk: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, tensor in named_tensors:
+            # A copy in the server's dtype: tied weights share storage (safetensors refuses that), and a
+            # ZeRO-3 caller frees the gathered parameter once the iterator moves on.
+            chunk[name] = tensor.detach().to("cpu", dtype, copy=True).contiguous()
+            size += chunk[name].numel() * chunk[name].element_size()
+            if size >= self.chunk_bytes:
+                sent, chunks, chunk, size = sent + self._send_chunk(save(chunk)), chunks + 1, {}, 0
+        if chunk:
+            sent, chunks = sent + self._send_chunk(save(chunk)), chunks + 1
+        result = self._post("/weights/commit", {} if version is None else {"version": version})
+        self.last_push = {"bytes": sent, "chunks": chunks, "seconds": time.perf_counter() - start,
+                          "server_load_seconds": result.get("seconds", 0.0)}
+
+    def _send_chunk(self, blob: bytes) -> int:
+        self._post("/weights/chunk", blob)
+        return len(blob)
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    def _post(self, route: str, body: dict | bytes) -> dict:
+        if self._closed:
+            raise RolloutServerError("the vllm-server rollout engine is closed")
+        binary = isinstance(body, bytes)
+        request = urllib.request.Request(
+            self.url + route, data=body if binary else json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/octet-stream" if binary else "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise RolloutServerError(f"the rollout server at {self.url} answered POST {route} with {e.code}: "
+                                     f"{detail}{self._log_hint()}") from e
+        except OSError as e:
+            raise RolloutServerError(
+                f"the rollout server at {self.url} stopped answering (POST {route}: {getattr(e, 'reason', e)}); it "
+                "must run for the whole job: restart it and resume with resume_from_checkpoint auto"
+                f"{self._log_hint()}") from e
+        return json.loads(payload) if payload else {}
+
+    def _log_hint(self) -> str:
+        if self.server is None:
+            return ""
+        code = self.server.exit_code()
+        state = f"exited with code {code}" if code is not None else "running"
+        return f" (server {state}; log {self.server.log_path})"
