@@ -23,19 +23,20 @@ followed from the KFP task.
    PET_MASTER_ADDR, PET_MASTER_PORT; PyTorchJob: RANK, MASTER_ADDR, MASTER_PORT) and
    `--deepspeed_multinode_launcher standard` (torchrun on every node; accelerate's default, pdsh,
    needs ssh between pods).
-4. **The vLLM sidecar** (GRPO, `rollout_engine: vllm-server`) runs in the same pods, as it does on one
-   node: each node gets one GPU more than it has training ranks, and each rank starts its vLLM
-   server as a child process on that GPU (`vllm_server_devices`, docs/scaling.md). Not a container of
-   its own: a TrainJob cannot add containers to its pods (its `runtimePatches` only patch the env,
-   mounts and security context of containers the runtime already has), and the trainer owns the
-   server's life cycle (it starts it from the model it trains, pushes weights to it through a file
-   and stops it).
+4. **The rollout server** (GRPO/PPO, `rollout_engine: vllm-server`): one per node, shared by the node's
+   ranks, whose rank 0 pushes it the weights. With `rollout_gpus` >= 1 (PyTorchJob) it is a native
+   sidecar container of each pod (`rollout_sidecar`: an init container with restartPolicy Always, its
+   own GPUs, startup/readiness/liveness probes, reached on 127.0.0.1). A TrainJob cannot have one (its
+   `runtimePatches` only patch the env, mounts and security context of containers the runtime already
+   has), so there, and with `rollout_gpus: 0`, each node gets one GPU more than it has training ranks
+   and the node's rank 0 starts the server on it as a child process (`vllm_server_devices`,
+   docs/scaling.md).
 5. **Wait.** `components.kubejob.submit_and_wait` creates the job, streams the rank-0 pod's log into
    the task's log, polls the job's conditions, raises with the job's reason when it fails, and
    deletes the job when it succeeds or when the task is stopped (KFP cancels a task with SIGTERM).
 
-Resources: each node asks for `gpus_per_node` GPUs (+1 for the vLLM servers), CPUs and memory per
-GPU as `components.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
+Resources: each node asks for `gpus_per_node` GPUs (+1 for a rollout server without a sidecar), CPUs
+and memory per GPU as `components.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
 /dev/shm, the S3 / MLflow Secrets of `components.kubernetes.SECRET_ENV` and the Hub token's
 (`HUB_SECRET_ENV`).
 
@@ -83,6 +84,7 @@ ACCELERATE_CONFIGS = "trainer/configs/accelerate"  # relative to the repository 
 CPU_PER_GPU, MEMORY_GI_PER_GPU = int(TRAINING.cpu), 32  # what the pipeline gives a one-GPU training task
 INPUT_KEYS = ("model", "dataset", "eval_dataset", "ref_model", "reward_funcs")  # stage fields naming inputs
 ISTIO_INJECT = "sidecar.istio.io/inject"  # an injected proxy would keep a finished pod running
+ROLLOUT_PORT = 8000  # the rollout sidecar's port on the pod's loopback (TRL's vllm-serve default)
 PATCH_MANAGER = "alignflow/launcher"  # owner of this launcher's entry in a TrainJob's runtimePatches
 
 
@@ -125,6 +127,12 @@ class MultiNode:
         "", "ServiceAccount the job's pods run as (serviceAccountName); empty: the namespace's `default`. A "
             "TrainJob cannot turn off the token mount of its pods itself: name an account with "
             "automountServiceAccountToken false (the chart's `<release>-alignflow`) to keep the token out.")
+    rollout_gpus: int = option(
+        0, "GPUs of each node's rollout server (rollout_engine vllm-server, GRPO and PPO). N >= 1 (job_kind PyTorchJob): "
+           "`alignflow rollout-server` runs as a native sidecar of each pod (an init container with restartPolicy "
+           "Always: it starts, and answers /ready, before the trainer, and stops after it) with N GPUs (N data-parallel "
+           "replicas), its own resources and probes; the node's ranks reach it on 127.0.0.1. 0: the training "
+           "container gets one GPU more, and the node's first rank starts the server on it as a child process.")
     node_selector: dict = option({}, "Node labels the pods must match.")
     tolerations: list = option(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
 
@@ -170,12 +178,31 @@ class MultiNode:
             )
         if self.nodes == 1:
             return
-        if engine == "vllm-server":
+        if self.rollout_gpus:
+            self.check_sidecar(engine, stage_config)
+        elif engine == "vllm-server":
             if stage_config.vllm_server_devices not in (None, "", str(self.gpus_per_node)):
                 raise ConfigError(
                     f"`vllm_server_devices` is set by the multi-node launcher (GPU "
                     f"{self.gpus_per_node} of each node, after the training GPUs); remove it."
                 )
+
+    def check_sidecar(self, engine: str, stage_config: Any) -> None:
+        """`rollout_gpus` >= 1: a sidecar container serves the node's rollouts (PyTorchJob, vllm-server, no address)."""
+        if engine != "vllm-server":
+            raise ConfigError(f"`rollout_gpus` gives the server of rollout_engine vllm-server its own GPUs, but the "
+                              f"section's rollout_engine is {engine}: set rollout_engine vllm-server, or remove it.")
+        if self.job_kind != "PyTorchJob":
+            raise ConfigError(
+                "`rollout_gpus` runs the rollout server as a container of its own, which a TrainJob cannot add to its "
+                "pods (Trainer 2.3's runtimePatches change only the env, mounts and security context of the runtime's "
+                "containers): set job_kind PyTorchJob, or rollout_gpus 0 (the server then runs in the node's "
+                "container, on one GPU more).")
+        given = [k for k in ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_devices")
+                 if getattr(stage_config, k, None) not in (None, "")]
+        if given:
+            raise ConfigError(f"`rollout_gpus` starts each node's own server (on 127.0.0.1:{ROLLOUT_PORT}); remove "
+                              f"{', '.join(f'`{k}`' for k in given)}, or set rollout_gpus 0 to use that server.")
 
     def check_pod(self, pod_gpus: int, stage_config: Any = None) -> None:
         """A one-node section's ranks match the GPUs of the training task's pod (`cluster.train.gpus`), which
@@ -214,7 +241,7 @@ class MultiNode:
 # ("" when one node has nothing to set).
 POD_KEYS = {"node_selector": "node_selector", "tolerations": "tolerations", "cpu_per_node": "cpu",
             "memory_per_node": "memory", "shm_size": "shm_size", "accelerator": "accelerator", "job_kind": "",
-            "training_runtime": "", "service_account": ""}
+            "training_runtime": "", "service_account": "", "rollout_gpus": "gpus"}
 
 
 def split_config(config: dict[str, Any]) -> tuple[MultiNode, dict[str, Any]]:
@@ -276,6 +303,46 @@ def node_script(stage: str, multi: MultiNode) -> str:
     return f"set -euo pipefail\n{prepare}\nexec {shlex.join(launch)} {rank} {stage_cmd}"
 
 
+def rollout_server_args(stage: str, values: dict[str, Any], multi: MultiNode) -> list[str]:
+    """`alignflow rollout-server` options for the sidecar of a pod whose ranks train `stage` with `values`: the
+    length, dtype and memory share the trainer would give the server it starts itself (grpo.start_engine)."""
+    from trainer.config import config_from_dict
+    from trainer.stages import stage_parts
+
+    config = config_from_dict(stage_parts(stage)[0], {k: v for k, v in values.items() if k != "output_dir"})
+    dtype = "bfloat16" if multi.precision() == "bf16" else config.dtype
+    return ["--host", "127.0.0.1", "--port", str(ROLLOUT_PORT),
+            "--max_model_len", str(config.max_prompt_length + config.max_completion_length),
+            "--dtype", dtype, "--gpu_memory_utilization", str(config.vllm_gpu_memory_utilization),
+            "--data_parallel_size", str(multi.rollout_gpus)]
+
+
+def rollout_sidecar(server_args: list[str], env: list[dict[str, Any]], multi: MultiNode, image: str,
+                    shm_mount: dict[str, str]) -> dict[str, Any]:
+    """The pod's rollout server as a native sidecar (Kubernetes >= 1.29): an init container with restartPolicy
+    Always. The trainer container starts once its startup probe passes (the model is loaded and served); the
+    kubelet stops it, SIGTERM then drain, after the trainer exits. It copies the stage's `model` to its own disk
+    (`serve-rollout`) and serves it; the trainer pushes its weights first thing, and after every update."""
+    ready = {"httpGet": {"path": "/ready", "port": ROLLOUT_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
+        "name": "rollout-server",
+        "image": image,
+        "restartPolicy": "Always",
+        "command": ["python", "-m", "components.trainjob", "serve-rollout", *server_args],
+        "env": env,
+        "resources": multi.resources(multi.rollout_gpus),
+        "volumeMounts": [shm_mount],
+        "ports": [{"name": "rollout", "containerPort": ROLLOUT_PORT}],
+        # Loading the model and starting vLLM may take minutes: up to 20 before the pod fails.
+        "startupProbe": {**ready, "failureThreshold": 120},
+        # /ready answers 503 while a weight update loads; /health only when the engine is gone.
+        "readinessProbe": {**ready, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": ROLLOUT_PORT}, "periodSeconds": 30,
+                          "timeoutSeconds": 10, "failureThreshold": 4},
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+    }
+
+
 def secret_env() -> list[dict[str, Any]]:
     """The S3 and MLflow variables and the Hub token (training pods), by reference to the Secrets the pipeline's
     tasks read (optional keys)."""
@@ -291,8 +358,12 @@ def render(
 ) -> dict[str, Any]:
     """The TrainJob or PyTorchJob running `stage` with the stage config `values` on `multi.nodes` nodes."""
     gpus = multi.gpus_per_node
-    if values.get("rollout_engine") == "vllm-server":
-        # One more GPU per node, after the training ones; the vLLM servers of the node's ranks share it.
+    sidecar = multi.rollout_gpus > 0 and values.get("rollout_engine") == "vllm-server"
+    if sidecar:  # each pod's own server, beside the trainer (PyTorchJob)
+        server_args = rollout_server_args(stage, values, multi)
+        values = {**values, "vllm_server_host": "127.0.0.1", "vllm_server_port": ROLLOUT_PORT}
+    elif values.get("rollout_engine") == "vllm-server":
+        # One more GPU per node, after the training ones, for the server the node's first rank starts.
         values = {**values, "vllm_server_devices": str(multi.gpus_per_node)}
         gpus += 1
     env = [{"name": CONFIG_ENV, "value": json.dumps(values, sort_keys=True)}, *secret_env()]
@@ -357,6 +428,8 @@ def render(
         "spec": {"containers": [container], "volumes": [shm_volume], **placement, **pod_security,
                  "automountServiceAccountToken": False},
     }
+    if sidecar:
+        pod["spec"]["initContainers"] = [rollout_sidecar(server_args, env, multi, image, shm_mount)]
     replicas = {"Master": 1, "Worker": multi.nodes - 1}
     replica_specs = {
         role: {"replicas": n, "restartPolicy": "Never", "template": pod} for role, n in replicas.items() if n
@@ -493,12 +566,29 @@ def prepare_config(path: str) -> str:
     return path
 
 
+def serve_rollout(server_args: list[str]) -> None:
+    """The rollout sidecar: copy the stage's `model` (ALIGNFLOW_STAGE_CONFIG) to this container, then become
+    `alignflow rollout-server --model <it>` (exec: the kubelet's SIGTERM reaches the server, which drains)."""
+    model = json.loads(os.environ[CONFIG_ENV])["model"]
+    if storage.is_remote(model):
+        model = storage.fetch_to_local(model)
+    command = [sys.executable, "-m", "trainer.cli", "rollout-server", "--model", model, *server_args]
+    print("Rollout server:", shlex.join(command), flush=True)
+    os.execv(sys.executable, command)
+
+
+USAGE = ("usage: python -m components.trainjob prepare-config FILE\n"
+         "       python -m components.trainjob serve-rollout [alignflow rollout-server options, without --model]")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "prepare-config":
-        print("usage: python -m components.trainjob prepare-config FILE", file=sys.stderr)
-        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv[:1] == ["serve-rollout"]:
+        serve_rollout(argv[1:])
+    if len(argv) != 2 or argv[0] != "prepare-config":
+        print(USAGE, file=sys.stderr)
+        return 2
     print(f"Stage config with local inputs: {prepare_config(argv[1])}", flush=True)
     return 0
 

@@ -79,7 +79,7 @@ from trainer.models import (
 )
 from trainer.rewards import load_reward_function, reward_names, score_completions
 from trainer.rollout import SamplingConfig, make_engine
-from trainer.rollout.server_client import server_url
+from trainer.rollout.server_client import on_each_node, server_url
 from trainer.runner import StageRunner
 
 log = logging.getLogger(__name__)
@@ -495,13 +495,14 @@ def push_weights(run: StageRunner, engine) -> None:
     """The new weights to the rollout engine (the hf engine generates with the training model itself).
 
     One rank sends them, module by module (`distributed.full_weights`; LoRA merged): rank 0 to a server
-    given by address, each node's rank 0 to the server it started; under ZeRO-3 every rank takes part in
-    each module's gather. The other ranks wait at a barrier until the engine has them."""
+    given by address, each node's rank 0 to its node's own server (one it started, or a sidecar on
+    127.0.0.1); under ZeRO-3 every rank takes part in each module's gather. The other ranks wait at a
+    barrier until the engine has them."""
     config = run.config
     if config.rollout_engine == "hf":
         return
     given = server_url(config.vllm_server_host, config.vllm_server_port, config.vllm_server_base_url)
-    sends = run.accelerator.is_local_main_process if config.rollout_engine == "vllm-server" and not given \
+    sends = run.accelerator.is_local_main_process if config.rollout_engine == "vllm-server" and on_each_node(given) \
         else run.is_main
     weights = distributed.full_weights(run.accelerator, run.model, run.module)
     if sends:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,12 @@ def server_url(host: str | None, port: int | None, base_url: str | None) -> str 
     if host or port:
         return f"http://{host or '127.0.0.1'}:{port or 8000}"
     return None
+
+
+def on_each_node(url: str | None) -> bool:
+    """Whether every node has its own server at `url`: none given (each node's first rank starts one), or a
+    loopback address (a sidecar in every pod, components/trainjob.py). Each node's first rank then pushes."""
+    return url is None or urllib.parse.urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ def variants():
                 for kind in CRD_FILES:
                     keys = {"rollout_engine": engine, "vllm_gpu_memory_utilization": 0.3} if engine else {}
                     yield pytest.param(stage, kind, nodes, keys, id=f"{stage}-{engine or 'train'}-{nodes}node-{kind}")
+        if engine:  # the rollout server as a sidecar container (PyTorchJob only)
+            yield pytest.param(stage, "PyTorchJob", 2, {**keys, "rollout_gpus": 2},
+                               id=f"{stage}-{engine}-sidecar-2node-PyTorchJob")
 
 
 @pytest.mark.parametrize(("stage", "kind", "nodes", "keys"), variants())

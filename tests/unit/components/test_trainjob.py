@@ -144,10 +144,11 @@ def test_job_pods_are_locked_down(kind):
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
-@pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
-def test_pod_templates_validate_strictly(kind, version):
+@pytest.mark.parametrize(("kind", "keys"), [("TrainJob", {}), ("PyTorchJob", {}), ("PyTorchJob", {"rollout_gpus": 1})],
+                         ids=["TrainJob", "PyTorchJob", "PyTorchJob-rollout-sidecar"])
+def test_pod_templates_validate_strictly(kind, keys, version):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    job, _ = two_node_grpo(job_kind=kind, node_selector={"pool": "h100"})
+    job, _ = two_node_grpo(job_kind=kind, node_selector={"pool": "h100"}, **keys)
     templates = trainjob.pod_templates(job)
     assert len(templates) == (1 if kind == "TrainJob" else 2)
     for template in templates:
@@ -731,3 +732,60 @@ def test_one_node_ranks_must_match_the_pods_gpus():
     with pytest.raises(ConfigError, match="`gpus_per_node` is 1 but the training tasks' pods have 8 GPU"):
         trainjob.split_config({})[0].check_pod(8)
     trainjob.split_config({})[0].check_pod(0)  # a CPU pool: one CPU rank
+
+
+def test_rollout_gpus_run_the_server_as_a_native_sidecar_of_each_pytorchjob_pod():
+    """rollout_gpus: each pod gets `alignflow rollout-server` as an init container with restartPolicy Always
+    (started, and ready, before the trainer; stopped after it) on its own GPUs, and its ranks use it on 127.0.0.1."""
+    from trainer.rollout.server import make_parser
+
+    job, multi = two_node_grpo(job_kind="PyTorchJob", rollout_gpus=2, max_prompt_length=96,
+                               max_completion_length=160)
+    for template in trainjob.pod_templates(job):
+        (trainer,) = template["spec"]["containers"]
+        (sidecar,) = template["spec"]["initContainers"]
+        assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "4"  # the ranks' GPUs only
+        stage = json.loads(next(e["value"] for e in trainer["env"] if e["name"] == trainjob.CONFIG_ENV))
+        assert (stage["vllm_server_host"], stage["vllm_server_port"]) == ("127.0.0.1", trainjob.ROLLOUT_PORT)
+        assert "vllm_server_devices" not in stage
+        assert sidecar["name"] == "rollout-server" and sidecar["restartPolicy"] == "Always"
+        assert sidecar["image"] == trainer["image"] and sidecar["env"] == trainer["env"]
+        assert sidecar["resources"] == multi.resources(2)
+        for probe in ("startupProbe", "readinessProbe"):
+            assert sidecar[probe]["httpGet"] == {"path": "/ready", "port": trainjob.ROLLOUT_PORT}
+        assert sidecar["startupProbe"]["periodSeconds"] * sidecar["startupProbe"]["failureThreshold"] >= 600
+        assert sidecar["securityContext"] == trainer["securityContext"]
+        command = sidecar["command"]
+        assert command[:4] == ["python", "-m", "components.trainjob", "serve-rollout"]
+        args = make_parser().parse_args(["--model", "m", *command[4:]])  # the server's own parser takes them
+        assert (args.host, args.port, args.max_model_len, args.dtype, args.data_parallel_size,
+                args.gpu_memory_utilization) == ("127.0.0.1", trainjob.ROLLOUT_PORT, 256, "bfloat16", 2, 0.2)
+
+
+def test_the_sidecar_copies_the_model_then_becomes_the_server(tmp_path, monkeypatch):
+    job, _ = two_node_grpo(job_kind="PyTorchJob", rollout_gpus=1)
+    (sidecar,) = trainjob.pod_templates(job)[0]["spec"]["initContainers"]
+    monkeypatch.setenv(trainjob.CONFIG_ENV, next(e["value"] for e in sidecar["env"] if e["name"] == trainjob.CONFIG_ENV))
+    fetched, execs = [], []
+    monkeypatch.setattr(trainjob.storage, "fetch_to_local", lambda uri: fetched.append(uri) or str(tmp_path))
+    monkeypatch.setattr(trainjob.os, "execv", lambda path, argv: execs.append(argv))
+    trainjob.main(sidecar["command"][3:])
+    assert fetched == [INPUTS["model"]]
+    ((python, *argv),) = execs
+    assert python == sys.executable
+    assert argv == ["-m", "trainer.cli", "rollout-server", "--model", str(tmp_path), *sidecar["command"][4:]]
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"job_kind": "TrainJob"}, "which a TrainJob cannot add to its pods.*set job_kind PyTorchJob"),
+    ({"rollout_engine": "hf"}, "the section's rollout_engine is hf: set rollout_engine vllm-server"),
+    ({"vllm_server_host": "10.0.0.7"}, "starts each node's own server.*remove `vllm_server_host`"),
+    ({"nodes": 1, "gpus_per_node": 2, "job_kind": None}, "`rollout_gpus` sets the pods of a multi-node job.*cluster.train.gpus"),
+])
+def test_rollout_gpus_refusals_say_what_to_change(keys, message):
+    section = {"num_generations": 4, "nodes": 2, "job_kind": "PyTorchJob", "rollout_engine": "vllm-server",
+               "rollout_gpus": 1, **keys}
+    pipeline_config = pipeline_run.load_pipeline_config("pipelines/configs/demo.yaml", {
+        "base_model": "unused", "grpo": {k: v for k, v in section.items() if v is not None}})
+    with pytest.raises(ConfigError, match=message):
+        pipeline_run.validate(pipeline_config, promotion=False)

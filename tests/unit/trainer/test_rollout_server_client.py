@@ -191,3 +191,11 @@ def test_full_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_base_
     assert max(float((got[k] - merged[k]).abs().max()) for k in merged) < 1e-6
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(got[q], before[f"base_model.model.{q.removesuffix('.weight')}.base_layer.weight"])
+
+
+def test_a_loopback_server_is_each_nodes_own_and_its_first_rank_pushes():
+    from trainer.rollout.server_client import on_each_node
+
+    assert on_each_node(None)  # each node's first rank starts one
+    assert on_each_node("http://127.0.0.1:8000") and on_each_node("http://localhost:8000/")
+    assert not on_each_node("http://rollout.ml.svc:8000") and not on_each_node("http://10.0.0.7:8000")
