@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -248,7 +249,20 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def check_messages(messages: Any, row: int, column: str) -> None:
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles of TRL's chat format
+
+
+def template_knows(tokenizer, role: str) -> bool:
+    """Whether `tokenizer`'s chat template renders `role` as a role: one of TRL's chat roles, or a role the
+    template names as a string (Llama 3's `ipython`). A template that prints any role it is given would
+    render a misspelt one as a turn of its own, which the model never saw in training."""
+    template = getattr(tokenizer, "chat_template", None)
+    return role in CHAT_ROLES or (template is not None
+                                  and re.search(rf"""['"]{re.escape(role)}['"]""", str(template)) is not None)
+
+
+def check_messages(messages: Any, row: int, column: str, tokenizer=None) -> None:
+    """A list of {role, content} turns; with `tokenizer`, every role is one its chat template knows."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"Row {row}: `{column}` must be a non-empty list of {{role, content}} dicts, "
                         f"got {type(messages).__name__}.")
@@ -257,6 +271,9 @@ def check_messages(messages: Any, row: int, column: str) -> None:
         missing_content = isinstance(msg, dict) and msg.get("content") is None and not msg.get("tool_calls")
         if not isinstance(msg, dict) or msg.get("role") is None or missing_content:
             raise DataError(f"Row {row}: `{column}[{turn}]` must be a dict with `role` and `content`, got {msg!r}.")
+        if tokenizer is not None and not template_knows(tokenizer, msg["role"]):
+            raise DataError(f"Row {row}: `{column}[{turn}]` has role {msg['role']!r}, which the model's chat template "
+                            f"does not know; use one of {', '.join(CHAT_ROLES)} (TRL's chat format).")
 
 
 def _assistant_spans(tokenizer, messages: list[dict], row: int) -> tuple[str, list[tuple[int, int]]]:
@@ -357,8 +374,8 @@ def tokenize_sft_row(tokenizer, row: dict, fmt: str, index: int, completion_only
     if fmt == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
         if is_conversational(prompt):
-            check_messages(prompt, index, "prompt")
-            check_messages(completion, index, "completion")
+            check_messages(prompt, index, "prompt", tokenizer)
+            check_messages(completion, index, "completion", tokenizer)
             prompt_text = render_chat(tokenizer, prompt, add_generation_prompt=True)
             full = render_chat(tokenizer, prompt + completion)
             if not full.startswith(prompt_text):
@@ -379,7 +396,7 @@ def tokenize_sft_row(tokenizer, row: dict, fmt: str, index: int, completion_only
         return prompt_ids + completion_ids, mask
     # messages
     messages = row["messages"]
-    check_messages(messages, index, "messages")
+    check_messages(messages, index, "messages", tokenizer)
     if not assistant_only_loss:
         ids = _encode(tokenizer, render_chat(tokenizer, messages), False)["input_ids"]
         return ids, [1] * len(ids)

@@ -54,6 +54,7 @@ from trainer.completions import (
 from trainer.config import ConfigError, TrainConfig, option
 from trainer.data import (
     DataError,
+    check_messages,
     dataset_label,
     describe_datasets,
     is_conversational,
@@ -233,6 +234,9 @@ def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig, rows=None
     if "prompt" not in rows.column_names:
         raise DataError(f"Dataset {spec!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` column "
                         "(text or chat messages) plus any columns the reward functions read.")
+    for index, prompt in enumerate(rows["prompt"]):
+        if is_conversational(prompt):
+            check_messages(prompt, index, "prompt", tokenizer)
     ids = [prompt_token_ids(p, tokenizer) for p in rows["prompt"]]
     limit, long = config.max_prompt_length, [i for i, x in enumerate(ids) if len(x) > config.max_prompt_length]
     if long and config.truncation_mode == "drop":

@@ -65,8 +65,8 @@ def preference_texts(row: dict, index: int, tokenizer=None) -> PreferenceText:
     """Prompt and the two replies of one row as text (chat rendered with `tokenizer`'s template)."""
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if is_conversational(chosen) or is_conversational(rejected):
-        check_messages(chosen, index, "chosen")
-        check_messages(rejected, index, "rejected")
+        check_messages(chosen, index, "chosen", tokenizer)
+        check_messages(rejected, index, "rejected", tokenizer)
         if prompt is None:  # whole conversations: the prompt is the shared leading turns
             k = 0
             while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
@@ -74,7 +74,7 @@ def preference_texts(row: dict, index: int, tokenizer=None) -> PreferenceText:
             prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
         elif isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        check_messages(prompt, index, "prompt")
+        check_messages(prompt, index, "prompt", tokenizer)
         prompt_text = render_chat(tokenizer, prompt, add_generation_prompt=True)
         texts = []
         for reply in (chosen, rejected):
@@ -90,7 +90,7 @@ def preference_texts(row: dict, index: int, tokenizer=None) -> PreferenceText:
     if prompt is None:
         return PreferenceText(*split_implicit_prompt(chosen, rejected))
     if is_conversational(prompt):
-        check_messages(prompt, index, "prompt")
+        check_messages(prompt, index, "prompt", tokenizer)
         return PreferenceText(render_chat(tokenizer, prompt, add_generation_prompt=True), chosen, rejected)
     if not isinstance(prompt, str):
         raise DataError(f"Row {index}: `prompt` must be a string or a list of chat messages, got {type(prompt).__name__}.")

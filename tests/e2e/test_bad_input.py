@@ -96,6 +96,13 @@ CASES = [
          ("longprompt.jsonl", "max_length=8", "truncation_mode=keep_start)", "truncation_mode keep_end")),
     Case("sft every row dropped", sft("--dataset", "{d}/longprompt.jsonl", "--max_length", "8",
                                       "--truncation_mode", "drop"), ("longprompt.jsonl", "raise `max_length`")),
+    Case("sft chat role the template does not know", sft("--dataset", "{d}/robot.jsonl"),
+         ("Row 1", "`messages[1]`", "'robot'", "chat template does not know", "user, assistant")),
+    Case("dpo chat role the template does not know",
+         ["train", "dpo", "--model", "{tiny}", "--dataset", "{d}/robotprefs.jsonl", "--output_dir", "{out}/run", *LONG],
+         ("Row 0", "`chosen[1]`", "'robot'", "chat template does not know")),
+    Case("grpo chat role the template does not know", grpo("--dataset", "{d}/robotprompts.jsonl"),
+         ("Row 2", "`prompt[0]`", "'robot'", "chat template does not know")),
     Case("sft messages without an assistant turn", sft("--dataset", "{d}/noassistant.jsonl"),
          ("noassistant.jsonl", "every row has no assistant turn", "`assistant_only_loss false`")),
     Case("sft deepspeed file not JSON", sft("--deepspeed", "{d}/file.txt"), ("`deepspeed`", "file.txt", "not readable JSON")),
@@ -312,6 +319,11 @@ def data(tmp_path_factory, tiny_model) -> Path:
     same = "Well, let me think about this question for quite a while before I answer it."
     write_jsonl(d / "sameprefix.jsonl", [{"prompt": "Question?", "chosen": f"{same} Yes.", "rejected": f"{same} No."}] * 3)
     write_jsonl(d / "samesuffix.jsonl", [{"prompt": "Question?", "chosen": f"Yes. {same}", "rejected": f"No. {same}"}] * 3)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    robot = [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "Hello"}]
+    write_jsonl(d / "robot.jsonl", [{"messages": chat}, {"messages": robot}])
+    write_jsonl(d / "robotprefs.jsonl", [{"chosen": robot, "rejected": chat}] * 2)
+    write_jsonl(d / "robotprompts.jsonl", [{"prompt": chat[:1]}] * 2 + [{"prompt": [robot[1]]}])
     write_jsonl(d / "noassistant.jsonl", [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)])
     write_jsonl(d / "longprompt.jsonl", [{"prompt": "word " * 40, "completion": "yes"}] * 3)
     (d / "empty.jsonl").write_text("")
