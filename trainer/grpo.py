@@ -234,10 +234,11 @@ def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig, rows=None
     if "prompt" not in rows.column_names:
         raise DataError(f"Dataset {spec!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` column "
                         "(text or chat messages) plus any columns the reward functions read.")
-    for index, prompt in enumerate(rows["prompt"]):
+    prompts = rows["prompt"]  # (each read of an Arrow column builds a new Python list)
+    for index, prompt in enumerate(prompts):
         if is_conversational(prompt):
             check_messages(prompt, index, "prompt", tokenizer)
-    ids = [prompt_token_ids(p, tokenizer) for p in rows["prompt"]]
+    ids = [prompt_token_ids(p, tokenizer) for p in prompts]
     limit, long = config.max_prompt_length, [i for i, x in enumerate(ids) if len(x) > config.max_prompt_length]
     if long and config.truncation_mode == "drop":
         keep = sorted(set(range(len(ids))) - set(long))
