@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import checkpoint as ckpt
+from trainer.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,12 +118,6 @@ def rewards_of(out: Path) -> list[float]:
 # rank per cycle), optimizer steps.
 LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS = 8, 16, 20
 CPU_LAUNCH = ("--multi_gpu", "--num_processes", "2", "--mixed_precision", "no")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_grpo(model: str, dataset: str, out: Path, report_dir: Path, *extra: str,

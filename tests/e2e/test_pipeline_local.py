@@ -1,8 +1,9 @@
 """The whole post-training DAG with kfp.local: outputs mirrored to a real SeaweedFS bucket, every
 stage in a real MLflow server, the winner registered as @champion (GRPO, then PPO); a failing gate
 (DPO) leaves the champion alone; rollback restores the previous champion; the cache re-trains only what
-new data reaches, there with `gpus_per_node: 2` starting ranks inside the SFT and DPO tasks. A killed SFT
-task is retried and resumes from its checkpoint in the bucket; a bad parameter fails the first task."""
+new data reaches, there with `gpus_per_node: 2` starting ranks inside the SFT and DPO tasks. In the first
+run, the SFT task is killed once it has a checkpoint in the bucket: kfp.local retries it, and the retry resumes
+from that checkpoint. A bad parameter fails the first task."""
 
 import json
 import os
@@ -38,16 +39,42 @@ FAST = {
 
 
 CONSOLE_LINES = 40  # of a whole local run (the demo's budget is 60; docs/pipelines.md)
+# The first run's SFT: killed at its first checkpoint (step 3 or a little later), the retry trains the rest.
+RETRIED_STEPS = 12
+SFT_RETRIED = {**FAST["sft"], "max_steps": RETRIED_STEPS, "save_steps": 3, "logging_steps": 1}
 
 
-def run_pipeline(tmp_path, name: str, env: dict, **overrides) -> subprocess.CompletedProcess:
+def run_pipeline(tmp_path, name: str, env: dict, kill_at_checkpoint: str | None = None,
+                 **overrides) -> subprocess.CompletedProcess:
     """One `alignflow pipeline run --local --cache` of FAST with `overrides`; every run of a test shares
-    its output folder, and with it kfp.local's task cache (OUTPUT/pipeline-root/.kfp_cache)."""
+    its output folder, and with it kfp.local's task cache (OUTPUT/pipeline-root/.kfp_cache). With
+    `kill_at_checkpoint`, that task is SIGKILLed once a step checkpoint of it is complete in the pipeline
+    root, and the run gets one retry (kfp.local's cache key does not hold the retry policy)."""
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**FAST, **overrides}))
+    root = env["PIPELINE_ROOT"]
     cmd = [sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--cache", "--config", str(config),
-           "--output", str(tmp_path / "out"), "--pipeline-root", env["PIPELINE_ROOT"]]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+           "--output", str(tmp_path / "out"), "--pipeline-root", root, *(("--retries", "1") if kill_at_checkpoint else ())]
+    if kill_at_checkpoint is None:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out, err = tmp_path / f"{name}.stdout", tmp_path / f"{name}.stderr"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+        try:
+            fs, deadline = storage.filesystem(root), time.monotonic() + 600
+            marker = re.compile(rf"/checkpoints/{kill_at_checkpoint}/checkpoint-\d+/alignflow.complete$")
+            while not any(marker.search(p) for p in fs.find(root)):
+                assert proc.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"no {kill_at_checkpoint} checkpoint reached the bucket"
+                time.sleep(0.2)
+            victims = _task_processes(proc.pid, kill_at_checkpoint)
+            assert len(victims) == 1, victims
+            os.kill(victims[0], signal.SIGKILL)
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
 
 
 def tasks(result: subprocess.CompletedProcess) -> tuple[set[str], set[str]]:
@@ -63,20 +90,41 @@ def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_e
     s3_server = s3_env
     root = f"s3://{s3_server.bucket}/pipelines/{os.getpid()}"
     env = {**os.environ, **s3_server.env(), "MLFLOW_TRACKING_URI": mlflow_server, "PIPELINE_ROOT": root,
-           "OMP_WAIT_POLICY": "PASSIVE"}
+           "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
     data = tmp_path / "sft.jsonl"  # SFT data at a URI of its own, which the third run finds changed
     shutil.copy(demo_path("math_sft"), data)
     datasets = {**FAST["datasets"], "sft": str(data)}
 
-    first = run_pipeline(tmp_path, "first", env, base_model=tiny_model, datasets=datasets)
+    # SIGKILL the SFT task once it has a checkpoint in SeaweedFS: kfp.local retries the task, and the retry
+    # resumes from that checkpoint instead of step 0; the run's MLflow records stay whole.
+    first = run_pipeline(tmp_path, "first", env, kill_at_checkpoint="sft", base_model=tiny_model, datasets=datasets,
+                         sft=SFT_RETRIED)
     assert first.returncode == 0, first.stderr[-3000:]
     executed, hits = tasks(first)
     assert {"sft", "reward-model", "grpo"} <= executed and not hits
-    # The console: a line per task start and end and a summary; each task's whole log in its own file.
     console = _plain(first.stdout + first.stderr).splitlines()
-    assert len(console) <= CONSOLE_LINES, "\n".join(console)
     assert re.search(r"\] grpo: done in \d+\S*, reward=", "\n".join(console)) and "  @champion:     pipeline-test version 1" in console
     assert "executor_input" not in "\n".join(console) and "step 3/3" in (tmp_path / "out/logs/grpo.log").read_text()
+    assert any(re.search(r"\] sft: FAILED after ", line) for line in console), "\n".join(console)
+    assert any(re.search(r"\] sft: retrying in \d+s \(attempt 2 of 2;", line) for line in console), "\n".join(console)
+
+    # kfp.local ran the task twice (both attempts in its log); the second resumed from the bucket, not from step 0.
+    sft_log = (tmp_path / "out/logs/sft.log").read_text()
+    attempt, retry = sft_log.split("Task 'sft' finished with status FAILURE", 1)
+    resumed = re.search(rf"Resuming from ({re.escape(root)}/[^/]+/checkpoints/sft/checkpoint-(\d+))", retry)
+    assert resumed, retry[-3000:]
+    start = int(resumed.group(2))
+    assert 3 <= start < RETRIED_STEPS
+    logged = [int(s) for s in re.findall(rf"step (\d+)/{RETRIED_STEPS}\b", retry)]
+    assert logged == list(range(start + 1, RETRIED_STEPS + 1)), logged
+    assert re.findall(rf"step (\d+)/{RETRIED_STEPS}\b", attempt)[:1] == ["1"]
+    # The published model carries the whole history once; the checkpoints are cleaned up after publishing.
+    fs = storage.filesystem(root)
+    objects = fs.find(root)
+    (metrics_file,) = [o for o in objects if o.endswith("/sft/model/metrics.jsonl")]
+    sft_history = [json.loads(line) for line in fs.cat(metrics_file).decode().splitlines()]
+    assert [r["step"] for r in sft_history if "loss" in r] == list(range(1, RETRIED_STEPS + 1))
+    assert not [o for o in objects if "/checkpoints/" in o]
 
     client = MlflowClient(mlflow_server)
     model = client.get_registered_model("pipeline-test")
@@ -90,8 +138,12 @@ def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_e
                 if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert set(children) >= {"sft", "reward", "grpo", "eval", "promote"}, sorted(children)
     assert children["sft"].data.metrics["loss"] > 0 and "reward" in children["grpo"].data.metrics
+    # Both SFT attempts logged into one run under the pipeline's parent run, found by the run-id tag.
+    sft_runs = [r for r in runs if r.data.tags.get("alignflow.stage") == "sft"]
+    assert len(sft_runs) == 1 and sft_runs[0].info.status == "FINISHED"
+    assert "alignflow.pipeline_run_id" in parents[0].data.tags
+    assert max(m.step for m in client.get_metric_history(sft_runs[0].info.run_id, "loss")) == RETRIED_STEPS
     # Task outputs are in the bucket.
-    objects = storage.filesystem(root).find(root)
     for suffix in ("sft/model/model.safetensors", "grpo/model/alignflow.json", "evaluate/results/metrics.json",
                    "reward-model/model/alignflow.complete"):
         assert any(o.endswith(suffix) for o in objects), f"{suffix} not in the bucket"
@@ -111,8 +163,11 @@ def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_e
     # trained in that pipeline run on the rule rewards and the reward-model task's output. Its SFT and
     # reward-model tasks have the first run's inputs, so the cache serves them and nothing re-trains.
     second = run_pipeline(tmp_path, "second", env, base_model=tiny_model, datasets=datasets, algorithm="ppo",
-                          min_improvement=-1e6)
+                          min_improvement=-1e6, sft=SFT_RETRIED)
     assert second.returncode == 0, second.stderr[-3000:]
+    # The console: a line per task start and end and a summary; each task's whole log in its own file.
+    console = _plain(second.stdout + second.stderr).splitlines()
+    assert len(console) <= CONSOLE_LINES, "\n".join(console)
     executed, hits = tasks(second)
     assert hits == {"sft", "reward-model"} and {"check-inputs", "ppo"} <= executed, (executed, hits)
     assert any(t.startswith("evaluate") for t in executed)  # it looks at the champion every time
@@ -176,72 +231,6 @@ def _task_processes(root_pid: int, function: str) -> list[int]:
                 and argv[argv.index(b"--function_to_execute") + 1] == function.encode()):
             found.append(pid)
     return found
-
-
-def test_a_killed_sft_task_is_retried_and_resumes_from_its_checkpoint_in_s3(tiny_model, s3_env, mlflow_server,
-                                                                          tmp_path):
-    """SIGKILL the SFT task once it has a checkpoint in SeaweedFS: kfp.local retries the task, and the
-    retry resumes from that checkpoint instead of step 0; the run's MLflow records stay whole."""
-    root = f"s3://{s3_env.bucket}/retry/{os.getpid()}"
-    env = {**os.environ, **s3_env.env(), "MLFLOW_TRACKING_URI": mlflow_server, "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONUNBUFFERED": "1"}
-    steps = 12  # killed at the first checkpoint (step 3 or a little later); the retry trains the rest
-    config = tmp_path / "retry.yaml"
-    config.write_text(yaml.safe_dump({
-        **FAST, "base_model": tiny_model, "algorithm": "dpo", "skip_reward_model": True, "model_name": "retry-test",
-        "sft": {**FAST["sft"], "max_steps": steps, "save_steps": 3, "logging_steps": 1},
-        "dpo": {**FAST["dpo"], "max_steps": 1}, "evaluate": {**FAST["evaluate"], "max_samples": 4}}))
-    log_path = tmp_path / "pipeline.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "pipeline", "run", "--local", "--config",
-                                 str(config), "--output", str(tmp_path / "out"), "--pipeline-root", root,
-                                 "--retries", "1", "--verbose"], env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            fs = storage.filesystem(root)
-            deadline = time.monotonic() + 600
-            while not any(re.search(r"/checkpoints/sft/checkpoint-\d+/alignflow.complete$", p)
-                          for p in fs.find(root)):
-                assert proc.poll() is None, _plain(log_path.read_text())[-3000:]
-                assert time.monotonic() < deadline, "no SFT checkpoint reached the bucket"
-                time.sleep(0.2)
-            victims = _task_processes(proc.pid, "sft")
-            assert len(victims) == 1, victims
-            os.kill(victims[0], signal.SIGKILL)
-            proc.wait(timeout=900)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    log = _plain(log_path.read_text())
-    assert proc.returncode == 0, log[-4000:]
-
-    # kfp.local ran the task twice; the second attempt resumed from the bucket, not from step 0.
-    first, retry = log.split("Task sft failed (attempt 1/2). Retrying", 1)
-    retry = retry.split("Task 'sft' finished with status SUCCESS", 1)[0]
-    resumed = re.search(rf"Resuming from ({re.escape(root)}/[^/]+/checkpoints/sft/checkpoint-(\d+))", retry)
-    assert resumed, retry[-3000:]
-    start = int(resumed.group(2))
-    assert 3 <= start < steps
-    logged = [int(s) for s in re.findall(rf"step (\d+)/{steps}\b", retry)]
-    assert logged == list(range(start + 1, steps + 1)), logged
-    assert re.findall(rf"step (\d+)/{steps}\b", first)[:1] == ["1"]
-
-    # The published model carries the whole history once; the checkpoints are cleaned up after publishing.
-    objects = fs.find(root)
-    (metrics_file,) = [o for o in objects if o.endswith("/sft/model/metrics.jsonl")]
-    history = [json.loads(line) for line in fs.cat(metrics_file).decode().splitlines()]
-    assert [r["step"] for r in history if "loss" in r] == list(range(1, steps + 1))
-    assert not [o for o in objects if "/checkpoints/" in o]
-
-    # Both attempts logged into one SFT run under the pipeline's parent run, found by the run-id tag.
-    client = MlflowClient(mlflow_server)
-    runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
-                              "tags.`alignflow.stage` = 'sft'")
-    parent = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id],
-                                "tags.`alignflow.stage` = 'pipeline'", order_by=["attributes.start_time DESC"])[0]
-    sft_runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(sft_runs) == 1 and sft_runs[0].info.status == "FINISHED"
-    assert "alignflow.pipeline_run_id" in parent.data.tags and parent.info.status == "FINISHED"
-    assert max(m.step for m in client.get_metric_history(sft_runs[0].info.run_id, "loss")) == steps
 
 
 def test_a_ui_run_with_a_wrong_algorithm_fails_in_its_first_task(tiny_model, tmp_path):

@@ -27,7 +27,6 @@ import torch
 from tests.helpers import (
     ROOT,
     descendants,
-    free_port,
     max_difference,
     model_greedy,
     needs_vllm,
@@ -35,6 +34,7 @@ from tests.helpers import (
     train_cli,
     weights,
 )
+from trainer.launch import free_port
 from trainer.rollout import SamplingConfig
 from trainer.rollout.server_client import VLLMServerEngine, live_group_members
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import free_port
 from trainer import distributed
 from trainer.config import ConfigError
+from trainer.launch import free_port
 from trainer.rollout import SamplingConfig
 from trainer.rollout.server_client import RolloutServerError, VLLMServerEngine, server_url
 
