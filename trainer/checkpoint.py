@@ -167,7 +167,7 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
         with commit() if commit else contextlib.nullcontext():
             storage.write_text(marker, json.dumps({"step": manifest.get("step"), "time": time.time(), "files": files}))
     except Exception as err:
-        full = _disk_full(err, staging, dest, model, optimizer, heads) if writing_locally else None
+        full = disk_full(err, staging, dest, _bytes_needed(model, optimizer, heads)) if writing_locally else None
         if full is None:
             raise
         raise full from err
@@ -221,12 +221,12 @@ def _bytes_needed(model, optimizer, heads: dict[str, Any] | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _disk_full(err: Exception, folder: Path, dest: str, model, optimizer, heads) -> DiskFullError | None:
+def disk_full(err: Exception, folder: Path, dest: str, need: int | None) -> DiskFullError | None:
     """`err`, raised while writing a checkpoint into the local `folder`, as a one-line `DiskFullError` when the disk
     ran out of space; None for any other error. safetensors (`SafetensorError: ... No space left on device (os error
     28)`) and torch.save (`RuntimeError: ... unexpected pos`) say so without an errno, so beside ENOSPC/EDQUOT a
-    write that failed on a disk with less free space than the checkpoint needs counts as a full disk too."""
-    need = _bytes_needed(model, optimizer, heads)
+    write that failed on a disk with less free space than the checkpoint needs (`need` bytes; when not known, with
+    less than 1 MiB left) counts as a full disk too."""
     unfinished = bool(_STEP_DIR.match(folder.name)) and not (folder / COMPLETE_MARKER).exists()
     written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if unfinished else 0
 
@@ -235,8 +235,8 @@ def _disk_full(err: Exception, folder: Path, dest: str, model, optimizer, heads)
 
     no_space = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
         text in str(err) for text in ("No space left", "os error 28", "Disk quota exceeded"))
-    if not no_space and (free_space() + written >= need
-                         or not isinstance(err, (OSError, RuntimeError))):
+    room = free_space() + written >= need if need is not None else free_space() >= 2**20
+    if not no_space and (room or not isinstance(err, (OSError, RuntimeError))):
         return None
     if unfinished:  # a step checkpoint that no reader will ever take: give its space back
         shutil.rmtree(folder, ignore_errors=True)
@@ -244,8 +244,9 @@ def _disk_full(err: Exception, folder: Path, dest: str, model, optimizer, heads)
     staged = storage.is_remote(dest)  # written locally first, then uploaded
     where = f"the local staging folder {str(folder)!r} of {dest!r}" if staged else repr(dest)
     return DiskFullError(
-        f"No space left on the disk of {where} while saving a checkpoint ({type(err).__name__}): it needs about "
-        f"{need / 2**20:.1f} MiB free and {free / 2**20:.1f} MiB is free there. Free space there or point "
+        f"No space left on the disk of {where} while saving a checkpoint ({type(err).__name__}): "
+        + (f"it needs about {need / 2**20:.1f} MiB free and " if need is not None else "")
+        + f"{free / 2**20:.1f} MiB is free there. Free space there or point "
         f"{'TMPDIR' if staged else '`output_dir`'} at a larger volume; the unfinished checkpoint "
         f"{'was removed' if unfinished else 'is not marked complete'}, the previous complete one is intact, and "
         "`resume_from_checkpoint auto` resumes from it.")

@@ -454,19 +454,27 @@ def save_engine_state(accelerator, model, checkpoint_dir: str) -> None:
     all ranks before rank 0 completes the checkpoint (the marker comes last)."""
     if accelerator.state.deepspeed_plugin is None:
         return
-    from trainer import storage
+    from trainer import checkpoint, storage
+
+    def write(folder: Path) -> None:  # a full disk is one line (DiskFullError), as for the folder rank 0 writes
+        try:
+            model.save_checkpoint(str(folder / DEEPSPEED_STATE_DIR), tag="state", save_latest=False)
+        except Exception as err:
+            # The shard's size is DeepSpeed's to know: the error names the free space only.
+            if (full := checkpoint.disk_full(err, folder, checkpoint_dir, None)) is None:
+                raise
+            raise full from err
 
     if not storage.is_remote(checkpoint_dir):
-        model.save_checkpoint(str(Path(checkpoint_dir) / DEEPSPEED_STATE_DIR), tag="state", save_latest=False)
-        return
+        return write(Path(checkpoint_dir))
     import shutil
     import tempfile
 
     local = Path(tempfile.mkdtemp(prefix=f"alignflow-zero-rank{accelerator.process_index}-"))
     try:
-        model.save_checkpoint(str(local), tag="state", save_latest=False)
+        write(local)
         # The ranks write different files (rank 0 also the model states), so uploads never collide.
-        storage.upload_dir(local, storage.join(checkpoint_dir, DEEPSPEED_STATE_DIR))
+        storage.upload_dir(local / DEEPSPEED_STATE_DIR, storage.join(checkpoint_dir, DEEPSPEED_STATE_DIR))
     finally:
         shutil.rmtree(local, ignore_errors=True)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,3 +39,43 @@ def test_any_other_error_on_a_roomy_disk_passes_through_and_leaves_the_folder(tm
     with pytest.raises(RuntimeError, match="a bug"):
         ckpt.save_checkpoint(str(dest), FailingModel(RuntimeError("a bug")), None, {}, [])
     assert (dest / "model.safetensors").exists() and not ckpt.is_complete(str(dest))
+
+
+class FailingEngine:
+    """A DeepSpeed engine's `save_checkpoint` that fails with `error` after writing part of a shard."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def save_checkpoint(self, folder, tag, save_latest) -> None:
+        (Path(folder) / tag).mkdir(parents=True)
+        (Path(folder) / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"partial")
+        raise self.error
+
+
+def zero_accelerator():
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object()), process_index=0)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64")])
+def test_a_zero_shard_on_a_full_disk_is_one_line_and_the_unfinished_step_checkpoint_goes(error, tmp_path, monkeypatch):
+    """Every DeepSpeed rank writes its ZeRO shard into the step checkpoint before rank 0 writes the rest. torch.save's
+    RuntimeError carries no errno: with under 1 MiB left on the disk after it, it is a full disk too."""
+    from trainer import distributed
+
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=4096))
+    step = tmp_path / "run" / "checkpoint-4"
+    with pytest.raises(ckpt.DiskFullError, match=rf"'{step}' while saving a checkpoint \({type(error).__name__}\): "
+                                                 r"0\.0 MiB is free there\. .*larger volume"):
+        distributed.save_engine_state(zero_accelerator(), FailingEngine(error), str(step))
+    assert not step.exists()
+
+
+def test_a_zero_shard_error_on_a_roomy_disk_passes_through(tmp_path):
+    from trainer import distributed
+
+    step = tmp_path / "run" / "checkpoint-4"
+    with pytest.raises(RuntimeError, match="a bug"):
+        distributed.save_engine_state(zero_accelerator(), FailingEngine(RuntimeError("a bug")), str(step))
+    assert (step / "deepspeed" / "state").is_dir()
