@@ -79,3 +79,25 @@ def test_a_zero_shard_error_on_a_roomy_disk_passes_through(tmp_path):
     with pytest.raises(RuntimeError, match="a bug"):
         distributed.save_engine_state(zero_accelerator(), FailingEngine(RuntimeError("a bug")), str(step))
     assert (step / "deepspeed" / "state").is_dir()
+
+
+def test_a_full_tmpdir_while_staging_an_object_store_checkpoint_is_one_line_naming_tmpdir(tmp_path, monkeypatch):
+    """An `s3://` (here fsspec's `memory://`) checkpoint is written under TMPDIR first: a full TMPDIR is the same one
+    line, naming the staging folder and TMPDIR; the staging folder is removed and nothing is marked complete."""
+    import tempfile
+
+    from trainer import distributed, storage
+
+    staging = tmp_path / "tmpdir"
+    staging.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging))
+    dest = f"memory://bucket/{tmp_path.name}/run/checkpoint-2"
+    error = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(ckpt.DiskFullError, match=rf"the local staging folder '{staging}/alignflow-ckpt-\w+' of "
+                                                 rf"'{dest}' .*point TMPDIR at a larger volume"):
+        ckpt.save_checkpoint(dest, FailingModel(error), None, {}, [])
+    with pytest.raises(ckpt.DiskFullError, match=rf"the local staging folder '{staging}/alignflow-zero-rank0-\w+' of "
+                                                 rf"'{dest}' .*point TMPDIR at a larger volume"):
+        distributed.save_engine_state(zero_accelerator(), FailingEngine(error), dest)
+    assert not list(staging.iterdir())
+    assert not ckpt.is_complete(dest) and not storage.filesystem(dest).exists(dest)
