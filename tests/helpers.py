@@ -245,8 +245,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def untraced(env: dict[str, str]) -> dict[str, str]:
+    """`env` without scripts/test.sh's coverage settings, for a process the test will SIGKILL: a killed process
+    never writes its coverage data (coverage.py saves at exit), so tracing it would only cost CPU."""
+    return {k: v for k, v in env.items() if k not in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")}
+
+
 def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: float, env: dict) -> None:
-    """Run `command` (from the repository root, in a process group of its own) and SIGKILL the whole
+    """Run `command` (from the repository root, in a process group of its own, untraced) and SIGKILL the whole
     group, and every process below it (ranks), as soon as `checkpoint` (a folder, or an s3:// prefix) is
     complete, while it trains on; fails if it ends first or never gets there."""
     import time
@@ -255,7 +261,7 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: f
 
     poll = 0.1 if storage.is_remote(str(checkpoint)) else 0.005  # (a request per look at a bucket)
 
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(command, cwd=ROOT, env=untraced(env), start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     try:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DEMO_DATA, ROOT, kill_after_checkpoint, same_run, stop_after_step, weights
+from tests.helpers import DEMO_DATA, ROOT, kill_after_checkpoint, same_run, stop_after_step, untraced, weights
 from trainer import checkpoint as ckpt
 from trainer.cli import main
 from trainer.preemption import PREEMPTED_EXIT_CODE
@@ -78,9 +78,10 @@ def newest_checkpoint(out: Path) -> int:
 def run_killed(cmd: list[str], out: Path, rng: random.Random | None) -> bool:
     """Run `cmd`; with `rng`, SIGKILL its process group at a random moment: 0-1.5 s after one of
     the next checkpoints (0, 1 or 2 steps past the newest; 0 = during start-up) is complete, which
-    lands in imports, model loading, a step or a save. True if killed, False if it finished first."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    lands in imports, model loading, a step or a save. True if killed, False if it finished first. A run that may
+    be killed runs untraced (`untraced`); the restart that runs to the end is traced."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env() if rng is None else untraced(env()), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if rng is not None:
         target = min(newest_checkpoint(out) + rng.randint(0, 2), STEPS - 1)
         deadline = time.monotonic() + 600
