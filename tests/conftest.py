@@ -98,6 +98,7 @@ def pytest_runtest_logfinish(nodeid, location):
 TIERS = ("unit", "stage", "e2e", "gpu")  # the folders under tests/, each its own marker
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the xdist_group markers into `@group` ids
 def pytest_collection_modifyitems(config, items):
     """Each test gets its tier's marker from its folder (`-m unit` is the edit-test loop); tests of the
     `gpu` tier are skipped, with the reason, where torch sees no CUDA device."""
