@@ -246,8 +246,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def untraced(env: dict[str, str]) -> dict[str, str]:
-    """`env` without scripts/test.sh's coverage settings, for a process the test will SIGKILL: a killed process
-    never writes its coverage data (coverage.py saves at exit), so tracing it would only cost CPU."""
+    """`env` without scripts/test.sh's coverage settings, for a process whose coverage data would be lost or empty:
+    one the test will SIGKILL (coverage.py saves at exit), or a server that runs none of alignflow's code."""
     return {k: v for k, v in env.items() if k not in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")}
 
 

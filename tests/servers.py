@@ -38,6 +38,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import untraced
+
 SEAWEEDFS_START_TIMEOUT_S = 30
 MLFLOW_START_TIMEOUT_S = 90  # `mlflow server` answers /health after 10-35 s on this machine
 
@@ -274,9 +276,10 @@ class MlflowServer:
 
     def start(self) -> None:
         # No job runner: alignflow uses none of MLflow's server jobs, and its idle consumers poll (the chart's setting).
-        env = {**os.environ, **self.s3.env(), "OMP_WAIT_POLICY": "PASSIVE", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        # It runs none of alignflow's code: not traced by scripts/test.sh.
+        env = untraced({**os.environ, **self.s3.env(), "OMP_WAIT_POLICY": "PASSIVE",
+                        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         env.pop("MLFLOW_TRACKING_URI", None)
-        env.pop("COVERAGE_PROCESS_CONFIG", None)  # it runs none of alignflow's code: not traced by scripts/test.sh
         cmd = [sys.executable, "-m", "mlflow", "server",
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
                "--artifacts-destination", f"s3://{self.s3.bucket}/{self.prefix}",

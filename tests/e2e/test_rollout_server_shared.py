@@ -108,13 +108,12 @@ def one_process(server, tiny_model, tmp_path_factory) -> Path:
     return folder
 
 
-# ZeRO-3, where rank 0 gathers the sharded weights for each push. Full weights pushed from 2 DDP ranks:
-# test_ppo_two_ranks_against_one_server_train_what_one_process_trains (the same engine code and push), and
-# GRPO's rollout slicing on 2 DDP ranks against the server: the LoRA test.
-@pytest.mark.parametrize("mode", ["zero3"])
-def test_two_ranks_against_one_server_train_what_one_process_trains(mode, server, one_process, tiny_model, tmp_path):
-    """Same prompts, seeds and server as the 1-process run; each run starts by pushing its own weights."""
-    ranks = ("--deepspeed", "zero3") if mode == "zero3" else ()
+def test_two_ranks_against_one_server_train_what_one_process_trains(server, one_process, tiny_model, tmp_path):
+    """Same prompts, seeds and server as the 1-process run; each run starts by pushing its own weights. Under
+    ZeRO-3, where rank 0 gathers the sharded weights for each push. Full weights pushed from 2 DDP ranks:
+    test_ppo_two_ranks_against_one_server_train_what_one_process_trains (the same engine code and push); GRPO's
+    rollout slicing on 2 DDP ranks against the server: the LoRA test."""
+    mode, ranks = "zero3", ("--deepspeed", "zero3")
     t = time.perf_counter()
     done = train_cli("grpo", *grpo_args(tiny_model, str(one_process / "prompts.jsonl"), tmp_path / "two", 4,
                                         "--num_processes", "2", *ranks, *use_server(server)), env=ENV)
