@@ -134,10 +134,10 @@ def require_trl(trainers: Iterable[str]) -> None:
 
 
 def model_path(name: str, work: Path, smollm2_dir: Path) -> Path:
-    """`tiny`: a fresh `trainer.tiny.init_tiny` folder under `work`; `smollm2`: the imported folder."""
+    """`tiny`: a fresh `trainer.cli.init_tiny.init_tiny` folder under `work`; `smollm2`: the imported folder."""
     if name == "tiny":
         out = work / "tiny"
-        subprocess.run([sys.executable, "-c", f"from trainer.tiny import init_tiny; init_tiny({str(out)!r})"],
+        subprocess.run([sys.executable, "-c", f"from trainer.cli.init_tiny import init_tiny; init_tiny({str(out)!r})"],
                        check=True, cwd=REPO, env=bench_env())
         return out
     if name == "smollm2":
@@ -379,17 +379,17 @@ def steady_steps(train_start: float, step_ends: list[float], warmup_steps: int,
 
 
 class StageProbe:
-    """Times an alignflow stage (`trainer.sft`, `dpo`, `reward`) through the module-level names it calls.
+    """Times an alignflow stage (`trainer.stages.sft`, `dpo`, `reward`) through the module-level names it calls.
 
     Wraps, in `stage`: `load` (model loading; summed over calls, so DPO's policy and reference
     both count), `train_step` (training starts at its first call; a step ends when it returns),
     `collate` (each training batch is counted with `count(arguments, batch) -> {name: n}`; not
     the evaluation's), `evaluate` if present (training ends at its first call), and
-    `trainer.checkpoint.save_checkpoint` (saving). Nothing else changes.
+    `trainer.engine.checkpoint.save_checkpoint` (saving). Nothing else changes.
     """
 
     def __init__(self, stage: Any, load: str, count: Callable[[dict[str, Any], Any], dict[str, float]]) -> None:
-        from trainer import checkpoint
+        from trainer.engine import checkpoint
 
         self.marks: dict[str, float] = {"load_s": 0.0}
         self.step_ends: list[float] = []
@@ -577,7 +577,7 @@ def environment() -> dict[str, Any]:
     """The machine, its load, the package versions and the git commit, for the result JSON."""
     from importlib import metadata
 
-    from trainer.tracking import git_sha
+    from trainer.tracking.provenance import git_sha
 
     versions = {"python": platform.python_version()}
     for name in _VERSIONED:

@@ -36,11 +36,11 @@ WORDS = ("the a of to and in is it that for on with as was at by an be this from
          "very make world still own see men work long get here between both life being under never day same "
          "another know while last might us great old year off come since against go came right used take three").split()
 
-# The child: `trainer.sft.train_step` wrapped to stamp the end of the first optimizer step.
+# The child: `trainer.stages.sft.train_step` wrapped to stamp the end of the first optimizer step.
 CHILD = """
 import json, os, sys, time
-import trainer.sft as sft
-from trainer.cli import main
+import trainer.stages.sft as sft
+from trainer.cli.main import main
 first = []
 step = sft.train_step
 def timed(*args, **kwargs):

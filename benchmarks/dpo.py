@@ -56,7 +56,8 @@ def child_alignflow(spec: dict, started: float) -> dict:
     import datasets  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler  # noqa: F401
 
-    from trainer import checkpoint, dpo
+    from trainer.engine import checkpoint
+    from trainer.stages import dpo
 
     imported = common.clock()
     probe = common.StageProbe(dpo, "load_causal_lm", lambda arguments, batch: {"pairs": batch.num_pairs,
@@ -136,7 +137,7 @@ def prepare_data(source: Path, out: Path, model_dir: Path, num_pairs: int, max_l
     """The first `num_pairs` HH pairs that fit `max_length` untruncated, as explicit prompt/chosen/rejected."""
     from transformers import AutoTokenizer
 
-    from trainer.preferences import preference_texts
+    from trainer.data.preferences import preference_texts
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = out / f"hh-{model_dir.name}.jsonl"

@@ -11,7 +11,7 @@ per_device_train_batch_size = generation_batch_size = that many completions, one
 per generation; alignflow: per_device_batch_size the same, gradient_accumulation_steps=1),
 temperature 1, top_p 1, no top_k, beta=0 (no reference model), loss_type=dapo, scale_rewards=
 group, num_iterations=1, learning rate 1e-6 constant, the very same reward function
-(`trainer.rewards.exact_answer`, which has TRL's signature), float32, 2 torch threads, no
+(`trainer.rewards.rules.exact_answer`, which has TRL's signature), float32, 2 torch threads, no
 gradient checkpointing (TRL turns it on by default), no evaluation, no report_to/MLflow, no
 completion logging. Each run is its own process. `--bf16` gives every trainer bf16 mixed
 precision instead (`bf16=True` in both configs: float32 weights and optimizer, bfloat16 autocast
@@ -92,7 +92,8 @@ def _summary(spec: dict, step_ends: list[float], train_start: float, phases: lis
 
 
 def child_alignflow(spec: dict, started: float) -> dict:
-    from trainer import checkpoint, grpo, runner
+    from trainer.engine import checkpoint, runner
+    from trainer.stages.rl import grpo
 
     imported = common.clock()
     marks: dict[str, float] = {}
@@ -146,7 +147,7 @@ def child_trl(spec: dict, started: float) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: F401
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.rewards import exact_answer
+    from trainer.rewards.rules import exact_answer
 
     imported = common.clock()
     marks: dict[str, float] = {}
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
     common.require_trl(trainers)
     source = common.data_path(args.data, "gsm8k/train.jsonl")
-    overrides, env_overrides = common.parse_overrides(args.set, "trainer.grpo:GRPOConfig"), parse_env(args.child_env)
+    overrides, env_overrides = common.parse_overrides(args.set, "trainer.stages.rl.grpo:GRPOConfig"), parse_env(args.child_env)
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-grpo-"))
     runs, data_info, cases, counts = [], {}, [], {}

@@ -63,7 +63,7 @@ def reward_specs(args) -> tuple[list[str], list[float], list[tuple[str, str]]]:
              (format_spec, args.format_weight, format_label),
              (f"soft_overlong_punishment:{args.new_tokens}:{args.overlong_cache}", args.overlong_weight,
               "soft_overlong_punishment")]
-    from trainer.rewards import load_reward_function, reward_names
+    from trainer.rewards.functions import load_reward_function, reward_names
 
     kept = [spec for spec in specs if spec[1]]
     names = reward_names([load_reward_function(name) for name, _, _ in kept])  # the trainer's metric names
@@ -77,9 +77,9 @@ def reward_specs(args) -> tuple[list[str], list[float], list[tuple[str, str]]]:
 
 def child_eval(spec: dict) -> dict:
     """Greedy answers to the test prompts with the vLLM engine; per question: right, formatted, length."""
-    from trainer.completions import prompt_token_ids
-    from trainer.models import load_tokenizer
-    from trainer.rewards import answer_format, exact_answer
+    from trainer.engine.completions import prompt_token_ids
+    from trainer.engine.models import load_tokenizer
+    from trainer.rewards.rules import answer_format, exact_answer
     from trainer.rollout import SamplingConfig, make_engine
 
     rows = [json.loads(line) for line in Path(spec["data_path"]).read_text().splitlines()]
@@ -109,7 +109,8 @@ def child_eval(spec: dict) -> dict:
 
 
 def child_train(spec: dict) -> dict:
-    from trainer import checkpoint, grpo
+    from trainer.engine import checkpoint
+    from trainer.stages.rl import grpo
 
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",

@@ -69,9 +69,9 @@ def child_eval(spec: dict) -> dict:
     """Greedy answers to the held-out prompts with the vLLM engine; exact_answer per item."""
     import time
 
-    from trainer.completions import prompt_token_ids
-    from trainer.models import load_tokenizer
-    from trainer.rewards import exact_answer, make_regex_reward
+    from trainer.engine.completions import prompt_token_ids
+    from trainer.engine.models import load_tokenizer
+    from trainer.rewards.rules import exact_answer, make_regex_reward
     from trainer.rollout import SamplingConfig, make_engine
 
     rows = [json.loads(line) for line in Path(spec["data_path"]).read_text().splitlines()]
@@ -102,7 +102,8 @@ def child_eval(spec: dict) -> dict:
 def child_train(spec: dict) -> dict:
     import time
 
-    from trainer import checkpoint, grpo
+    from trainer.engine import checkpoint
+    from trainer.stages.rl import grpo
 
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",

@@ -6,14 +6,14 @@
 For each model, in one run, these trainers do the same amount of RL work per step, each in its
 own process (peak RSS is that process's own):
 
-- `alignflow-ppo-hf` / `alignflow-ppo-vllm`: `trainer.ppo.run_ppo` with transformers `generate`
+- `alignflow-ppo-hf` / `alignflow-ppo-vllm`: `trainer.stages.rl.ppo.run_ppo` with transformers `generate`
   or in-process vLLM rollouts; the value head shares the policy's backbone.
 - `trl-ppo`: TRL 1.12.0's `PPOTrainer` (`trl.experimental.ppo`; 1.12.0 is the last release that
   ships it, TRL 1.13 removed it, and 0.28.0 is the last with `trl/trainer/ppo_trainer.py`), run by
   the Python of its own venv (`--trl-python`, made by `benchmarks/trl_ppo_env.sh`) beside the same
   torch 2.13 and transformers 5.19 as alignflow. Its critic is a separate backbone
   (`AutoModelForSequenceClassification`, as in TRL's own PPO example, loaded from the reward model).
-- `alignflow-grpo-hf` / `alignflow-grpo-vllm`: `trainer.grpo.run_grpo` on the same number of
+- `alignflow-grpo-hf` / `alignflow-grpo-vllm`: `trainer.stages.rl.grpo.run_grpo` on the same number of
   rollouts per step (`--batch-size` completions = batch_size / G prompts x G), micro-batches of
   `--mini-batch-size`, one optimizer step per generation (num_iterations 1, GRPO's usual setting),
   beta = the PPO KL coefficient (so it runs a reference forward too), loss_type dapo.
@@ -117,7 +117,8 @@ def _alignflow_config(spec: dict, stage):
 
 
 def child_alignflow(spec: dict, started: float) -> dict:
-    from trainer import checkpoint, grpo, ppo, runner
+    from trainer.engine import checkpoint, runner
+    from trainer.stages.rl import grpo, ppo
 
     imported = common.clock()
     marks: dict[str, float] = {}

@@ -19,7 +19,7 @@ reply as one text, `max_length` keeping the end) and hands TRL the `chosen_ids`/
 (TRL's text path would append an eos token BERT's tokenizer does not have, and drops long pairs
 instead of truncating them). Same batch size, learning rate, linear schedule with the same warmup
 steps, optimizer steps, seed, dropout off (both defaults), no gradient checkpointing, 2 torch
-threads; both evaluate the held-out pairs once at the end (TRL: `trainer.evaluate`) and save
+threads; both evaluate the held-out pairs once at the end (TRL: `trainer.stages.evaluate`) and save
 the model. Only alignflow's checkpoint goes through the scorer. Runs alternate between the
 trainers; the tables show medians over `--repeats`.
 
@@ -28,7 +28,7 @@ weights, gradients and AdamW state, forward and backward under bfloat16 autocast
 `--steps N` stops after N optimizer steps (a speed run; the accuracy then says little).
 
 Each run is its own child process so that its peak RSS is the run's own. Phases are timed
-by wrapping the names `trainer.reward` calls (nothing else changes): data (reading, chat/text
+by wrapping the names `trainer.stages.reward_model` calls (nothing else changes): data (reading, chat/text
 rendering, tokenizing), model load, training steps, the final evaluation, saving, and scoring.
 Training throughput leaves out the first `--warmup-steps` steps ("s/step" is the mean of the
 others, "median step s" their median, "CPU s/step" the process's CPU seconds per step, all
@@ -60,7 +60,7 @@ TRAINERS = ("alignflow", "trl")
 
 
 def num_steps(spec: dict, num_pairs: int) -> int:
-    """Optimizer steps of a run: `--steps`, else `--epochs` passes (as `trainer.loop.total_steps` counts)."""
+    """Optimizer steps of a run: `--steps`, else `--epochs` passes (as `trainer.engine.loop.total_steps` counts)."""
     if spec["steps"]:
         return spec["steps"]
     return max(1, math.ceil(spec["epochs"] * math.ceil(num_pairs / spec["batch_size"])))
@@ -69,9 +69,10 @@ def num_steps(spec: dict, num_pairs: int) -> int:
 def child_alignflow(spec: dict, started: float) -> dict:
     import datasets
 
-    from trainer import checkpoint, reward
-    from trainer.preferences import load_pairs
-    from trainer.rewards import RewardModelScorer
+    from trainer.data.preferences import load_pairs
+    from trainer.engine import checkpoint
+    from trainer.rewards.scorer import RewardModelScorer
+    from trainer.stages import reward_model as reward
 
     imported = common.clock()
     probe = common.StageProbe(reward, "load_reward_model", lambda arguments, batch: {
@@ -119,7 +120,7 @@ def child_trl(spec: dict, started: float) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
     from trl import RewardConfig, RewardTrainer
 
-    from trainer.preferences import load_pairs, read_margins, tokenize_reward_pairs
+    from trainer.data.preferences import load_pairs, read_margins, tokenize_reward_pairs
 
     imported = common.clock()
     step_ends: list[float] = []
@@ -161,7 +162,7 @@ def child_trl(spec: dict, started: float) -> dict:
     trainer.train()
     train_end = common.clock()
     rss_after_train = common.self_peak_rss_mb()
-    final_eval = trainer.evaluate(test)
+    final_eval = trainer.stages.evaluate(test)
     save_start = common.clock()
     trainer.save_model(spec["out_dir"])
     done = common.clock()
@@ -182,7 +183,7 @@ def child_trl(spec: dict, started: float) -> dict:
 
 def last_turn(row: dict) -> dict:
     """The pair with its shared conversation cut to the final human turn (both replies kept whole)."""
-    from trainer.preferences import split_implicit_prompt
+    from trainer.data.preferences import split_implicit_prompt
 
     prompt, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"])
     start = prompt.rfind("\n\nHuman:")
@@ -208,7 +209,7 @@ def split_pairs(source: Path, work: Path, seed: int, train_fraction: float, view
 
 def shorter_reply_accuracy(rows: list[dict]) -> float:
     """How often the chosen reply is the shorter one (characters after the shared prompt; ties count half)."""
-    from trainer.preferences import split_implicit_prompt
+    from trainer.data.preferences import split_implicit_prompt
 
     score = 0.0
     for row in rows:
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                       max_length=args.max_length, learning_rate=args.learning_rate, warmup_ratio=args.warmup_ratio,
                       score_batch_size=args.score_batch_size, warmup_steps=args.warmup_steps,
                       threads=args.threads, seed=args.seed, bf16=args.bf16,
-                      overrides=common.parse_overrides(args.set, "trainer.reward:RewardConfig")))
+                      overrides=common.parse_overrides(args.set, "trainer.stages.reward_model:RewardConfig")))
                 for repeat, trainer in common.alternating(trainers, args.repeats)]
         print(f"Training reward models on {train_path.name} ...", file=sys.stderr, flush=True)
         runs = common.run_trainers(__file__, plan, work, args.threads, args.timeout, show=lambda r: (

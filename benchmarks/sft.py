@@ -50,7 +50,8 @@ def child_alignflow(spec: dict, started: float) -> dict:
     import datasets  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler  # noqa: F401
 
-    from trainer import checkpoint, sft
+    from trainer.engine import checkpoint
+    from trainer.stages import sft
 
     imported = common.clock()
     probe = common.StageProbe(sft, "load_causal_lm", real_tokens)

@@ -5,7 +5,7 @@ A run started from the KFP UI never passes through `alignflow pipeline submit`'s
 pipeline checks its own parameters in its first task (`stages.check_inputs`): a wrong value fails
 in seconds, naming the field and the allowed values, before any GPU is requested. The CLI runs the
 same checks before it submits (`alignflow pipeline validate` runs them alone). They include each
-`reward_funcs` import path, resolved without running it (`trainer.reward_specs`), so a misspelt
+`reward_funcs` import path, resolved without running it (`trainer.rewards.specs`), so a misspelt
 reward function fails here and not after SFT and the reward model have trained.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trainer import storage
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
+from trainer.io import storage
 
 # One `dsl.If` branch each in pipelines/post_training.py (a test holds the two together).
 ALGORITHMS = ("grpo", "dpo", "ppo")
@@ -79,10 +79,10 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
     `pod_gpus`: the GPUs of a training task's pod (`cluster.train.gpus`), which a one-node section's
     `gpus_per_node` must match; None for a local run (no pods)."""
     from components.trainjob import split_config
-    from trainer.config import config_from_dict
-    from trainer.evaluate import EvalConfig
-    from trainer.reward_specs import check_reward_specs
+    from trainer.config.options import config_from_dict
+    from trainer.rewards.specs import check_reward_specs
     from trainer.stages import stage_parts
+    from trainer.stages.evaluate import EvalConfig
 
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"`algorithm` must be one of {', '.join(ALGORITHMS)} (lower case), got {algorithm!r}.")
@@ -111,8 +111,9 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
 
 
 def check_gate(gate_metric: str, gate_mode: str) -> None:
-    """The promotion gate knows which way `gate_metric` improves (`trainer.registry.gate_direction`)."""
-    from trainer.registry import RegistryError, gate_direction
+    """The promotion gate knows which way `gate_metric` improves (`trainer.stages.promote.gate_direction`)."""
+    from trainer.errors import RegistryError
+    from trainer.stages.promote import gate_direction
 
     try:
         gate_direction(gate_metric, gate_mode)

@@ -17,10 +17,10 @@ from typing import Any
 
 from components import report
 from components.kubernetes import RUN_ID_ENV
-from trainer import storage
-from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+from trainer.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
+from trainer.io import storage
 
-# trainer.checkpoint (which imports torch, ~1.5 s) is imported where a stage's outputs are read, so that the
+# trainer.engine.checkpoint (which imports torch, ~1.5 s) is imported where a stage's outputs are read, so that the
 # light tasks (start-run, finish-run, promote's report) start without it.
 
 log = logging.getLogger(__name__)
@@ -127,9 +127,9 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     `reward_model` (GRPO, PPO): the reward-model task's output, which joins the reward functions unless
     that task was skipped."""
     from components import inputs, trainjob
-    from trainer import checkpoint as ckpt
-    from trainer import launch
-    from trainer.config import config_from_dict
+    from trainer.config.options import config_from_dict
+    from trainer.engine import checkpoint as ckpt
+    from trainer.engine import launch
     from trainer.stages import stage_parts
 
     _setup()
@@ -170,7 +170,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
 def training_report(stage: str, model_dir: str) -> report.Report:
     """A training task's page, from its model folder: final metrics and run id (manifest), curves
     (metrics.jsonl) and the completions the stage logged last (manifest `samples`)."""
-    from trainer import checkpoint as ckpt
+    from trainer.engine import checkpoint as ckpt
     from trainer.stages import stage_parts
 
     manifest = ckpt.read_json(storage.join(model_dir, ckpt.MANIFEST))
@@ -195,7 +195,7 @@ def run_ranks(stage: str, config) -> None:
     The config travels as a file (it may name secrets' holders, never their values: those stay in the env)."""
     import tempfile
 
-    from trainer import launch
+    from trainer.engine import launch
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix=f"alignflow-{stage}-") as fh:
         values = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
@@ -224,9 +224,9 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
                    model_name: str, gate_metric: str, min_improvement: float, metrics_out, report_out,
                    results_out, gate_mode: str = "auto") -> bool:
     """Evaluate the trained policy, compare it with the registry's champion; returns whether the gate passes."""
-    from trainer import registry
-    from trainer.config import config_from_dict
-    from trainer.evaluate import EvalConfig, run_evaluate
+    from trainer.config.options import config_from_dict
+    from trainer.stages import promote as registry
+    from trainer.stages.evaluate import EvalConfig, run_evaluate
 
     _setup()
     values = {**config, "model": model_in, "dataset": dataset, "reference_model": reference_in,
@@ -256,7 +256,7 @@ def evaluate_report(metrics: dict[str, float], results: str, passed: bool, reaso
                     rows: int = 8) -> report.Report:
     """The evaluate task's page: the gate verdict, the metrics, the first `rows` samples (one column per
     reward function) and a link to the pipeline's MLflow run (the evaluate run is its child)."""
-    from trainer.completions import flat_sample
+    from trainer.engine.completions import flat_sample
 
     samples_file = Path(results, "samples.jsonl")
     lines = samples_file.read_text().splitlines()[:rows] if samples_file.exists() else []
@@ -289,7 +289,7 @@ def promote_stage(*, model_in: str, results: str, model_name: str, gate_metric: 
                   pipeline_run: str, report_out) -> str:
     """Register the evaluated model as an MLflow model and move `@champion` (the pipeline calls this only when
     the gate passed). The promote run is a child of the pipeline's MLflow run (found by the run id)."""
-    from trainer import registry
+    from trainer.stages import promote as registry
 
     _setup()
     metrics = json.loads(Path(results, "metrics.json").read_text())
@@ -322,7 +322,7 @@ class PipelineRunConfig:
 
 def _client():
     """An MlflowClient for MLFLOW_TRACKING_URI, or None (with a warning) when it is unset or unreachable."""
-    from trainer.tracking import cap_mlflow_http_retries, unreachable_reason, use_uri_credentials
+    from trainer.tracking.tracker import cap_mlflow_http_retries, unreachable_reason, use_uri_credentials
 
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
@@ -365,7 +365,7 @@ def find_pipeline_run() -> str:
 def parent_run_id(pipeline_name: str = "", pipeline_run: str = "", params: dict[str, Any] | None = None) -> str:
     """The MLflow parent run of this pipeline run, opened when missing (normally by start-run; a stage
     whose start-run could not reach MLflow opens it itself); '' without tracking or a run id."""
-    from trainer.tracking import Tracker
+    from trainer.tracking.tracker import Tracker
 
     run_id = os.environ.get(RUN_ID_ENV, "")
     if not os.environ.get("MLFLOW_TRACKING_URI") or not run_id:

@@ -80,7 +80,7 @@ class Report:
     subtitle: str = ""
     metrics: dict[str, float] = field(default_factory=dict)  # final values
     history: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl records with "step"
-    samples: list[dict[str, Any]] = field(default_factory=list)  # trainer.completions.sample_rows rows
+    samples: list[dict[str, Any]] = field(default_factory=list)  # trainer.engine.completions.sample_rows rows
     gate: Gate | None = None
     mlflow_run_id: str = ""
     mlflow_url: str = ""  # a link to the run in the MLflow UI, when the tracking server has one

@@ -75,8 +75,9 @@ from components.kubernetes import (
     SECRET_ENV,
     TRAINING,
 )
-from trainer import storage
-from trainer.config import ConfigError, option
+from trainer.config.options import option
+from trainer.errors import ConfigError
+from trainer.io import storage
 
 CONFIG_ENV = "ALIGNFLOW_STAGE_CONFIG"
 CONFIG_FILE = "/tmp/alignflow-stage.json"
@@ -306,7 +307,7 @@ def node_script(stage: str, multi: MultiNode) -> str:
 def rollout_server_args(stage: str, values: dict[str, Any], multi: MultiNode) -> list[str]:
     """`alignflow rollout-server` options for the sidecar of a pod whose ranks train `stage` with `values`: the
     length, dtype and memory share the trainer would give the server it starts itself (grpo.start_engine)."""
-    from trainer.config import config_from_dict
+    from trainer.config.options import config_from_dict
     from trainer.stages import stage_parts
 
     config = config_from_dict(stage_parts(stage)[0], {k: v for k, v in values.items() if k != "output_dir"})
@@ -512,7 +513,7 @@ def remote_inputs(values: dict[str, Any]) -> dict[str, Any]:
 def download_complete(staging: str, dest: str) -> None:
     """Copy the final model in `staging` to the local folder `dest`, without step checkpoints;
     only a folder with the completion marker counts."""
-    from trainer.checkpoint import COMPLETE_MARKER, is_complete
+    from trainer.engine.checkpoint import COMPLETE_MARKER, is_complete
 
     if not is_complete(staging):
         raise RuntimeError(f"The job ended but {staging} holds no complete model (no {COMPLETE_MARKER}).")
@@ -533,7 +534,7 @@ def job_name(stage: str) -> str:
 def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, output_dir: str, **wait: Any) -> None:
     """Train `stage` on `multi.nodes` nodes into `output_dir`: the task's checkpoint prefix in object storage, the
     same for every attempt of the task, so a retry's job resumes from the newest checkpoint (`auto`)."""
-    from trainer.config import config_from_dict
+    from trainer.config.options import config_from_dict
     from trainer.stages import stage_parts
 
     values = {**remote_inputs(values), "output_dir": output_dir}

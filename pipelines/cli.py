@@ -6,7 +6,7 @@
                                                       [--cache] [--verbose] [--containers [--image IMAGE]]
     alignflow pipeline submit --host URL --config FILE.yaml [--namespace NS] [--token-file F] [--run-name N] [--wait]
     alignflow pipeline schedule --host URL --config FILE.yaml --cron "0 0 3 * * *" [--namespace NS] [--token-file F]
-    alignflow chat MODEL [--prompt TEXT] [--engine hf|vllm] [...]   (trainer.chat)
+    alignflow chat MODEL [--prompt TEXT] [--engine hf|vllm] [...]   (trainer.cli.chat)
     alignflow {train,model,eval,promote} ...   (trainer.cli)
 
 This entry point sits above both layers (pipelines -> components -> trainer), so the training
@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer import cli as trainer_cli
-from trainer.extras import MissingExtra, require
+from trainer.cli import main as trainer_cli
+from trainer.errors import MissingExtra
+from trainer.extras import require
 
 PIPELINE_HELP = "Compile, run locally, submit or schedule the post-training pipeline."
 
@@ -91,7 +92,7 @@ def pipeline(argv: list[str]) -> int:
     from components.images import TRAINER_CPU_IMAGE
     from pipelines import cluster
     from pipelines import run as pipeline_run
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
 
     try:
         overrides = {"base_model": args.base_model} if getattr(args, "base_model", None) else None
@@ -127,8 +128,8 @@ def pipeline(argv: list[str]) -> int:
 
 
 def _local_summary(out: dict, model_name: str) -> str:
-    from trainer.progress import format_duration
-    from trainer.tracking import redact_uri
+    from trainer.io.progress import format_duration
+    from trainer.tracking.provenance import redact_uri
 
     tracking = redact_uri(out["tracking_uri"])
     champion = f"{model_name} version {out['champion']}" if out.get("champion") else f"none registered for {model_name}"
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         command = next((a for a in rest if not a.startswith("-")), "")  # the subcommand, for the error line
         return trainer_cli.guarded(f"alignflow pipeline {command}".strip(), pipeline, rest)
     if args.group == "chat":
-        from trainer import chat
+        from trainer.cli import chat
 
         trainer_cli.setup_logging()
         return trainer_cli.guarded("alignflow chat", chat.main, rest)

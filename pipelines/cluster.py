@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.run import PipelineConfig, build_pipeline, compile_pipeline
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 TOKEN_ENV = "ALIGNFLOW_KFP_TOKEN"
 DONE_STATES = ("SUCCEEDED", "FAILED", "SKIPPED", "CANCELED")  # KFP v2beta1 run states that end a run

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainer.progress import format_duration
+from trainer.io.progress import format_duration
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 KFP_LOCAL = os.sep + os.path.join("kfp", "local") + os.sep

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer import storage
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
+from trainer.io import storage
 
 # Environment a task may need from the host: S3 and MLflow endpoints and credentials, run settings.
 PASS_PREFIXES = ("ALIGNFLOW_", "MLFLOW_", "AWS_", "HF_", "TRANSFORMERS_", "VLLM_", "OMP_", "TOKENIZERS_")

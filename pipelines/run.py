@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import storage
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
+from trainer.io import storage
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _artifact_uri(path: str) -> str:
 
 
 def _dataset_uri(spec: str) -> str:
-    from trainer.data import demo_path
+    from trainer.data.sources import demo_path
 
     if spec == "demo" or spec.startswith("demo:"):
         return str(demo_path(spec.partition(":")[2] or "sft"))
@@ -79,7 +79,7 @@ def _dataset_uri(spec: str) -> str:
 
 
 def load_pipeline_config(path: str | None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    from trainer.config import load_yaml
+    from trainer.config.strict_yaml import load_yaml
 
     values = {**(load_yaml(path) if path else {}), **(overrides or {})}
     known = {f.name for f in dataclasses.fields(PipelineConfig)}
@@ -148,7 +148,7 @@ def _check_exists(name: str, uri: str) -> None:
 
 
 def _check_tracking() -> None:
-    from trainer.tracking import unreachable_reason
+    from trainer.tracking.tracker import unreachable_reason
 
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri.startswith(("http://", "https://")) and (why := unreachable_reason(uri)) is not None:
@@ -273,7 +273,7 @@ def _gate_reason(outputs: dict[str, dict[str, Any]]) -> str | None:
 
 def _champion(model_name: str) -> str | None:
     """The registry's @champion version of `model_name` after the run; None without one (or without MLflow)."""
-    from trainer import registry
+    from trainer.stages import promote as registry
 
     try:
         return registry.connect().get_registered_model(model_name).aliases.get(registry.CHAMPION)

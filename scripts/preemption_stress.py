@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.helpers import DEMO_DATA, prompts_file, same_run, stop_after_step  # noqa: E402
-from trainer import checkpoint as ckpt  # noqa: E402
-from trainer.preemption import PREEMPTED_EXIT_CODE  # noqa: E402
+from trainer.engine import checkpoint as ckpt  # noqa: E402
+from trainer.engine.preemption import PREEMPTED_EXIT_CODE  # noqa: E402
 
-# Rank 0's (or the only process's) line: "trainer.runner: sft[ rank 0]: stopped by SIGTERM after step 7/24; saved
+# Rank 0's (or the only process's) line: "trainer.engine.runner: sft[ rank 0]: stopped by SIGTERM after step 7/24; saved
 # <dir>/checkpoint-7 in 0.05 s, ..."
 SAVED = re.compile(r"trainer\.runner: \w+(?: rank 0)?: stopped by .+? after step (\d+)/\d+; saved \S+ in ([\d.]+) s")
 

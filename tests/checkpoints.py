@@ -44,7 +44,7 @@ def build_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama model + BPE tokenizer with a chat template (built offline, ~5 s)."""
-    from trainer.tiny import init_tiny
+    from trainer.cli.init_tiny import init_tiny
 
     return str(build_once(tmp_path_factory, "tiny-model", init_tiny))
 

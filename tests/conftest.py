@@ -62,7 +62,7 @@ def no_model_loads(monkeypatch):
 @pytest.fixture
 def count_model_loads(monkeypatch):
     """Counts every model the DPO stage loads (policy and reference)."""
-    import trainer.dpo as dpo
+    import trainer.stages.dpo as dpo
 
     loads = []
     real = dpo.load_causal_lm

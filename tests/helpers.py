@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer import checkpoint as ckpt
-from trainer.launch import free_port
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def prompts_file(path: Path, n: int = 16, chat: bool = False) -> str:
 
 def grpo_config(model: str, tmp_path: Path, **overrides):
     """A GRPOConfig for the toy task, writing to `tmp_path / "out"`."""
-    from trainer.grpo import GRPOConfig
+    from trainer.stages.rl.grpo import GRPOConfig
 
     values = dict(model=model, dataset=prompts_file(tmp_path / "prompts.jsonl"), output_dir=str(tmp_path / "out"),
                   reward_funcs=[f"{__name__}:target_frequency"], num_generations=8, per_device_batch_size=16,
@@ -86,7 +86,7 @@ def grpo_config(model: str, tmp_path: Path, **overrides):
 
 def ppo_config(model: str, tmp_path: Path, **overrides):
     """A PPOConfig for the same toy task: 16 rollouts per PPO step, 2 mini-batches, 1 epoch."""
-    from trainer.ppo import PPOConfig
+    from trainer.stages.rl.ppo import PPOConfig
 
     values = dict(model=model, dataset=prompts_file(tmp_path / "prompts.jsonl"), output_dir=str(tmp_path / "out"),
                   reward_funcs=[f"{__name__}:target_frequency"], batch_size=16, mini_batch_size=8,
@@ -99,7 +99,7 @@ def ppo_config(model: str, tmp_path: Path, **overrides):
 
 def dpo_config(model: str, out: Path, **overrides):
     """A DPOConfig on the demo preferences, writing to `out`."""
-    from trainer.dpo import DPOConfig
+    from trainer.stages.dpo import DPOConfig
 
     values = dict(model=model, dataset="demo:preferences", output_dir=str(out), max_steps=6, per_device_batch_size=16,
                   learning_rate=3e-3, logging_steps=1, max_length=128,
@@ -123,7 +123,7 @@ CPU_LAUNCH = ("--multi_gpu", "--num_processes", "2", "--mixed_precision", "no")
 def launch_grpo(model: str, dataset: str, out: Path, report_dir: Path, *extra: str,
                 launch: tuple[str, ...] = CPU_LAUNCH) -> subprocess.CompletedProcess:
     """`accelerate launch [launch flags] -m trainer.cli train grpo` on the toy task, from the repository root."""
-    from trainer.distributed import RANK_REPORT_ENV
+    from trainer.engine.distributed import RANK_REPORT_ENV
 
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
                "--dynamo_backend", "no", "--main_process_port", str(free_port()),
@@ -257,7 +257,7 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path | str, timeout: f
     complete, while it trains on; fails if it ends first or never gets there."""
     import time
 
-    from trainer import storage
+    from trainer.io import storage
 
     poll = 0.1 if storage.is_remote(str(checkpoint)) else 0.005  # (a request per look at a bucket)
 
@@ -352,7 +352,7 @@ def classifier_checkpoint(model: str, out: Path, labels: list[str] | None = None
     is multiplied by `scale`, to spread the scores."""
     from transformers import AutoModelForSequenceClassification
 
-    from trainer.models import load_tokenizer
+    from trainer.engine.models import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     kwargs = ({"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}} if labels
@@ -374,7 +374,7 @@ CHAT_DATA = DEMO_DATA / "chat.jsonl"
 
 def tiny_sft(model: str, out: Path | str, **overrides) -> str:
     """Train SFT on the demo chat data for a few steps (seconds); returns the final model's folder."""
-    from trainer.sft import SFTConfig, run_sft
+    from trainer.stages.sft import SFTConfig, run_sft
 
     values = dict(model=model, dataset=str(CHAT_DATA), output_dir=str(out), max_steps=10, per_device_batch_size=8,
                   learning_rate=3e-3, max_length=128, num_sample_completions=0, disable_progress_bar=True)
@@ -520,14 +520,14 @@ CHAT_TEMPLATE = (  # a minimal template, for tokenizers without one
 
 
 class SerialSFT:
-    """SFT examples tokenized row by row into Python lists: the path `trainer.data.tokenize_sft` took before its
+    """SFT examples tokenized row by row into Python lists: the path `trainer.data.formatting.tokenize_sft` took before its
     output moved into Arrow files. Tests compare the Arrow path's examples, batches and trained weights with it."""
 
     def __init__(self, ds, tokenizer, name: str, max_length: int, truncation_mode: str,
                  completion_only_loss: bool = True, assistant_only_loss: bool = True) -> None:
         import numpy as np
 
-        from trainer.data import detect_sft_format, tokenize_sft_row, truncate
+        from trainer.data.formatting import detect_sft_format, tokenize_sft_row, truncate
 
         fmt = detect_sft_format(ds, name)
         self.input_ids: list[list[int]] = []

@@ -14,6 +14,8 @@ import importlib.util
 from types import ModuleType
 from typing import Any
 
+from trainer.errors import MissingExtra
+
 # extra -> what it is for; MODULES maps the top-level modules they install to the extra.
 EXTRAS = {
     "mlflow": "MLflow tracking and the model registry",
@@ -25,10 +27,6 @@ EXTRAS = {
 }
 MODULES = {"mlflow": "mlflow", "kfp": "pipeline", "kfp_server_api": "pipeline", "kubernetes": "pipeline",
            "s3fs": "s3", "boto3": "s3", "vllm": "vllm", "deepspeed": "deepspeed", "gguf": "gguf"}
-
-
-class MissingExtra(ImportError):
-    """An optional dependency is not installed; the message names the extra that brings it."""
 
 
 def message(extra: str, feature: str | None = None) -> str:

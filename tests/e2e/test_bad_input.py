@@ -73,7 +73,7 @@ def validate(**overrides) -> dict:
 
 DEAD_S3 = {"AWS_ENDPOINT_URL": "http://127.0.0.1:{dead_port}", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
            "AWS_MAX_ATTEMPTS": "1", "ALIGNFLOW_S3_RETRY_SECONDS": "0"}
-ALLOW_ONLY_BUILTINS = {"ALIGNFLOW_ALLOWED_REWARD_MODULES": "trainer.rewards"}
+ALLOW_ONLY_BUILTINS = {"ALIGNFLOW_ALLOWED_REWARD_MODULES": "trainer.rewards.functions"}
 PROMPTS = {"sft": "demo:math_sft", "preferences": "demo:preferences", "prompts": "demo:math", "eval": "demo:math_eval"}
 
 CASES = [
@@ -214,7 +214,7 @@ CASES = [
     Case("grpo reward regex invalid", grpo("--reward_funcs", "regex:(unclosed"), ("regex:(unclosed", "regular")),
     Case("grpo reward length not a number", grpo("--reward_funcs", "length:abc"), ("length:abc", "N >= 1")),
     Case("grpo reward module not allowed", grpo("--reward_funcs", "user_rewards:good"),
-         ("user_rewards:good", "ALIGNFLOW_ALLOWED_REWARD_MODULES", "trainer.rewards"), env=ALLOW_ONLY_BUILTINS),
+         ("user_rewards:good", "ALIGNFLOW_ALLOWED_REWARD_MODULES", "trainer.rewards.functions"), env=ALLOW_ONLY_BUILTINS),
     Case("grpo reward_weights mismatch", grpo("--reward_weights", "1", "2"), ("reward_weights", "reward_funcs")),
     Case("grpo num_generations 1", grpo("--num_generations", "1"), ("num_generations",)),
     Case("grpo temperature negative", grpo("--temperature", "-1"), ("`temperature`", "-1")),
@@ -360,8 +360,8 @@ def data(tmp_path_factory, tiny_model) -> Path:
     (d / "full" / "metrics.json").symlink_to("/dev/full")  # writes there fail with ENOSPC, as on a full disk
     # Two short runs whose checkpoints the resume cases point at: SFT with the options of `sft()` (so that only
     # the flag a case changes differs) and a reward model.
-    from trainer.reward import RewardConfig, run_reward
-    from trainer.sft import SFTConfig, run_sft
+    from trainer.stages.reward_model import RewardConfig, run_reward
+    from trainer.stages.sft import SFTConfig, run_sft
 
     short = dict(model=tiny_model, max_steps=2, save_steps=1, disable_progress_bar=True, report_to=["none"])
     run_sft(SFTConfig(dataset=str(d / "pc.jsonl"), output_dir=str(d / "sftrun"), **short))
@@ -481,7 +481,7 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
 
 def test_debug_lets_the_error_through_with_its_traceback(data, tiny_model, tmp_path, monkeypatch):
     from pipelines.cli import main
-    from trainer.data import DataError
+    from trainer.errors import DataError
 
     args = ["train", "sft", "--model", tiny_model, "--dataset", str(data / "latin1.jsonl"), "--output_dir",
             str(tmp_path / "run"), *LONG]
@@ -533,11 +533,11 @@ def test_command_grpo_bad_reward_path(data, tiny_model, tmp_path):
 
 def test_grpo_warns_once_with_counts_when_it_cuts_prompts(data, tiny_model, tmp_path, caplog):
     """Left truncation (keep_end, the default) is not an error: one warning with the counts."""
-    from trainer.grpo import load_prompts
-    from trainer.models import load_tokenizer
+    from trainer.engine.models import load_tokenizer
+    from trainer.stages.rl.grpo import load_prompts
 
     config = grpo_config(tiny_model, tmp_path, max_prompt_length=3)
-    with caplog.at_level("WARNING", logger="trainer.grpo"):
+    with caplog.at_level("WARNING", logger="trainer.stages.rl.grpo"):
         prompts = load_prompts(str(data / "prompts.jsonl"), "train", load_tokenizer(tiny_model), config)
     warnings = [r.getMessage() for r in caplog.records if "max_prompt_length" in r.getMessage()]
     assert warnings == [f"{data / 'prompts.jsonl'}: 4 of 4 prompts are longer than max_prompt_length=3 "

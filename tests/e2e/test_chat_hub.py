@@ -8,8 +8,9 @@ import pytest
 
 from pipelines import cli
 from tests.helpers import CHAT_DATA, HubStandIn, needs_vllm, tiny_sft, train_cli
-from trainer import checkpoint as ckpt
-from trainer import hub, storage
+from trainer.engine import checkpoint as ckpt
+from trainer.engine import hub
+from trainer.io import storage
 
 QUESTION = "What is the capital of Peru?"
 
@@ -73,7 +74,7 @@ def test_chat_and_push_from_s3(tiny_model, s3_env, tmp_path, stand_in, capsys, m
 
 def test_chat_from_the_registry_champion(sft_checkpoint, tmp_path, capsys):
     """`models:/NAME@champion` in an embedded (sqlite) MLflow registry answers as the checkpoint promoted there."""
-    from trainer.registry import promote
+    from trainer.stages.promote import promote
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     promote("chat-policy", sft_checkpoint, {"reward": 1.0}, tracking_uri=uri)

@@ -9,9 +9,9 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from trainer import checkpoint as ckpt
-from trainer import storage
-from trainer.dpo import DPOConfig, run_dpo
+from trainer.engine import checkpoint as ckpt
+from trainer.io import storage
+from trainer.stages.dpo import DPOConfig, run_dpo
 
 
 def config(model: str, out: str, **overrides) -> DPOConfig:

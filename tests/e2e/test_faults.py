@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from tests.helpers import DEMO_DATA, ROOT, kill_after_checkpoint, same_run, stop_after_step, untraced, weights
-from trainer import checkpoint as ckpt
-from trainer.cli import main
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.cli.main import main
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.preemption import PREEMPTED_EXIT_CODE
 
 KILLS = int(os.environ.get("ALIGNFLOW_FAULT_KILLS", "3"))
 STEPS = 8

@@ -3,7 +3,7 @@ end with the same weights, rank 0 alone writes checkpoints and metrics, the toy 
 tests/helpers.py rises, and a run resumed from a step checkpoint ends where the straight run ends.
 
 `accelerate launch --cpu --num_processes 2` starts ONE process unless mpirun is configured, so
-the tests launch with `--multi_gpu` (torchrun underneath); without CUDA, trainer/distributed.py
+the tests launch with `--multi_gpu` (torchrun underneath); without CUDA, trainer/engine/distributed.py
 makes accelerate treat the ranks as MULTI_CPU over gloo. Only the `hf` rollout engine runs here:
 in-process vLLM supports one process so far, and a vLLM sidecar per rank is too heavy for CI.
 """
@@ -17,11 +17,11 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import LAUNCH_G, LAUNCH_PER_RANK_COMPLETIONS, LAUNCH_STEPS, launch_grpo, prompts_file
-from trainer import checkpoint as ckpt
-from trainer.config import ConfigError
-from trainer.distributed import rank_prompts
-from trainer.grpo import GRPOConfig, check_ranks
-from trainer.loop import step_batches
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.distributed import rank_prompts
+from trainer.engine.loop import step_batches
+from trainer.errors import ConfigError
+from trainer.stages.rl.grpo import GRPOConfig, check_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 # What launch_grpo runs: 2 prompts per rank per cycle, 4 per cycle in all.

@@ -7,8 +7,8 @@ then serves the trained checkpoint's greedy output)."""
 import pytest
 
 from tests.helpers import grpo_config, needs_vllm, rewards_of
-from trainer import checkpoint as ckpt
-from trainer.grpo import run_grpo
+from trainer.engine import checkpoint as ckpt
+from trainer.stages.rl.grpo import run_grpo
 
 pytestmark = needs_vllm
 

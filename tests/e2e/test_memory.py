@@ -1,4 +1,4 @@
-"""glibc malloc tuning (`trainer.loop.keep_freed_memory`): freed blocks stay mapped, so a training
+"""glibc malloc tuning (`trainer.engine.loop.keep_freed_memory`): freed blocks stay mapped, so a training
 loop stops faulting its pages back in. Measured in fresh subprocesses (one tuned, one not): it
 takes a few seconds and depends on the process's heap, so it sits outside the fast unit tier."""
 
@@ -10,7 +10,7 @@ import sys
 def test_keep_freed_memory_stops_page_faults_on_reallocation():
     """With glibc tuned, a loop that allocates and frees the same blocks (like training steps)
     settles on mapped pages: no page faults after a few rounds, and the heap stays bounded."""
-    probe = ("import os, resource, torch; from trainer.loop import keep_freed_memory; on = keep_freed_memory()\n"
+    probe = ("import os, resource, torch; from trainer.engine.loop import keep_freed_memory; on = keep_freed_memory()\n"
              "def rss_mb(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20\n"
              "r, rss = [], []\n"
              "for _ in range(12):\n"

@@ -19,7 +19,7 @@ import yaml
 from mlflow import MlflowClient
 
 from tests.helpers import descendants
-from trainer import storage
+from trainer.io import storage
 
 FAST = {
     "sft": {"max_steps": 8, "per_device_batch_size": 8, "learning_rate": 3e-3, "max_length": 128},
@@ -85,7 +85,7 @@ def tasks(result: subprocess.CompletedProcess) -> tuple[set[str], set[str]]:
 
 def test_pipeline_on_s3_and_mlflow_with_gate_cache_and_rollback(tiny_model, s3_env, mlflow_server, tmp_path,
                                                                 monkeypatch):
-    from trainer.data import demo_path
+    from trainer.data.sources import demo_path
 
     s3_server = s3_env
     root = f"s3://{s3_server.bucket}/pipelines/{os.getpid()}"

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import train_cli
 from tests.references import ppo_args
-from trainer import checkpoint as ckpt
-from trainer.distributed import RANK_REPORT_ENV
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.distributed import RANK_REPORT_ENV
 
 
 def test_two_ranks_train_ppo_like_one_process(tiny_model, toy_prompts, reward_checkpoint, reference_run, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import ROOT, kill_after_checkpoint, train_cli
-from trainer import checkpoint as ckpt
+from trainer.engine import checkpoint as ckpt
 
 # Optimizer steps: 6 PPO steps of 2 mini-batches. The adaptive KL coefficient moves at every PPO step;
 # the kill after checkpoint-4 leaves 4 PPO steps (rollouts included) to run after it.

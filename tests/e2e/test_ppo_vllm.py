@@ -2,8 +2,8 @@
 
 
 from tests.helpers import needs_vllm, ppo_config, rewards_of
-from trainer import checkpoint as ckpt
-from trainer.ppo import run_ppo
+from trainer.engine import checkpoint as ckpt
+from trainer.stages.rl.ppo import run_ppo
 
 pytestmark = needs_vllm
 

@@ -6,8 +6,8 @@ full fine-tuning and for LoRA. One rank trains with per_device_batch_size B, two
 after 6 steps the weights must agree within 1e-4 (float32 reductions in another order differ at
 ~1e-6), and must have moved far more than that.
 
-Placement, sharding and the global-batch contract belong to the runner (trainer/runner.py,
-trainer/distributed.py), not to a stage, so every parallel mode, full and LoRA, is compared on one
+Placement, sharding and the global-batch contract belong to the runner (trainer/engine/runner.py,
+trainer/engine/distributed.py), not to a stage, so every parallel mode, full and LoRA, is compared on one
 stage (SFT), and each other stage runs the one mode that reaches its own code (see CASES). A two-rank
 run killed with SIGKILL after a step checkpoint resumes (`resume_from_checkpoint auto`) to the weights
 of the uninterrupted two-rank SFT run of the comparison, under ZeRO-3 from its per-rank shards in
@@ -43,9 +43,9 @@ from tests.helpers import (
     weights,
 )
 from tests.references import ppo_args
-from trainer import checkpoint as ckpt
-from trainer.distributed import RANK_REPORT_ENV
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.distributed import RANK_REPORT_ENV
+from trainer.engine.preemption import PREEMPTED_EXIT_CODE
 
 STEPS = 6
 COMMON = ("--max_steps", str(STEPS), "--logging_steps", "1", "--disable_progress_bar", "true", "--seed", "3",
@@ -168,7 +168,7 @@ def test_two_rank_run_killed_mid_run_resumes_to_the_same_weights(mode, request, 
     is killed as soon as checkpoint-2 is complete, 4 steps, the final evaluation and the save before its end.
     Under ZeRO-3 its output is in SeaweedFS: each rank uploads its own optimizer shard into the step checkpoint
     before rank 0 marks it complete, and `auto` finds and resumes from that s3:// checkpoint."""
-    from trainer import storage
+    from trainer.io import storage
 
     args = run_args("sft", tiny_model, toy_prompts, False, mode)
     straight, killed, env = reference_run("sft", *args), str(tmp_path / "killed"), {}

@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_jsonl
-from trainer import checkpoint as ckpt
-from trainer.registry import CHAMPION, PREVIOUS_CHAMPION, champion_uri, download_champion, promote, rollback
+from trainer.engine import checkpoint as ckpt
+from trainer.stages.promote import (
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    champion_uri,
+    download_champion,
+    promote,
+    rollback,
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +96,8 @@ def test_champion_serves_with_pyfunc(mlflow_server, client, tiny_model, tmp_path
 
 def test_champion_as_evaluate_baseline(mlflow_server, tiny_model, tmp_path):
     """`baseline_model: models:/NAME@champion` downloads the champion; against itself the win rate is 0.5."""
-    from trainer.evaluate import EvalConfig, run_evaluate
-    from trainer.models import load_reward_model, load_tokenizer
+    from trainer.engine.models import load_reward_model, load_tokenizer
+    from trainer.stages.evaluate import EvalConfig, run_evaluate
 
     name = f"policy-{uuid.uuid4().hex[:8]}"
     assert champion_uri(name, mlflow_server) is None
@@ -112,7 +119,7 @@ RACE_ROUNDS = int(os.environ.get("ALIGNFLOW_RACE_ROUNDS", "8"))  # docs/reliabil
 
 def _race(uri: str, model: str, folder: str, rewards: list[float], barrier, results) -> None:
     """One of two promoters: each round, wait for the other, then promote a candidate with the round's reward."""
-    from trainer.registry import promote
+    from trainer.stages.promote import promote
 
     try:
         for reward in rewards:

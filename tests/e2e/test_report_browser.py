@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from components import report
-from trainer.completions import sample_rows
+from trainer.engine.completions import sample_rows
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [

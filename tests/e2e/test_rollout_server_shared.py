@@ -34,7 +34,7 @@ from tests.helpers import (
     train_cli,
     weights,
 )
-from trainer.launch import free_port
+from trainer.engine.launch import free_port
 from trainer.rollout import SamplingConfig
 from trainer.rollout.server_client import VLLMServerEngine, live_group_members
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import storage
-from trainer.models import load_causal_lm, load_tokenizer
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.models import load_causal_lm, load_tokenizer
+from trainer.io import storage
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_upload_survives_a_20s_outage(tiny_model, faulty_s3, monkeypatch, caplog
     monkeypatch.setenv(storage.RETRY_ENV, "120")
     timings = kill_during_upload(monkeypatch, faulty_s3, after_files=3, down_for=20)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="trainer.storage"):
+    with caplog.at_level(logging.WARNING, logger="trainer.io.storage"):
         save(model, tokenizer, ckpt.step_dir(out, 2), 2)
     finished = time.monotonic()
     if "restart" in timings:
@@ -122,7 +122,7 @@ def test_outage_past_the_budget_fails_in_one_line_and_keeps_the_previous_checkpo
 def test_a_training_run_survives_a_20s_outage_mid_checkpoint(tiny_model, faulty_s3, monkeypatch, tmp_path):
     """The whole stage: SFT saving every step to the store, which dies during the second checkpoint's upload."""
     from tests.helpers import history
-    from trainer.sft import SFTConfig, run_sft
+    from trainer.stages.sft import SFTConfig, run_sft
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = f"s3://{faulty_s3.server.bucket}/run-{time.time_ns()}"

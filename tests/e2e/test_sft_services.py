@@ -8,9 +8,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import write_jsonl
-from trainer import checkpoint as ckpt
-from trainer import storage
-from trainer.sft import SFTConfig, run_sft
+from trainer.engine import checkpoint as ckpt
+from trainer.io import storage
+from trainer.stages.sft import SFTConfig, run_sft
 
 
 def config(model: str, out: str, **overrides) -> SFTConfig:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import TrainConfig
-from trainer.tracking import Tracker
+from trainer.config.options import TrainConfig
+from trainer.tracking.tracker import Tracker
 
 
 def _config(uri: str, **overrides) -> TrainConfig:
@@ -116,7 +116,7 @@ def test_server_killed_mid_run_and_restarted(restartable_mlflow, s3_server, capl
             tracker.log_metrics({"reward": step / 10, "kl": step / 100}, step=step)
             time.sleep(0.1)
 
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         train(range(1, 11))
         time.sleep(1.5)  # a system-metrics sample or two before the crash
         server.kill()
@@ -150,7 +150,7 @@ def test_server_killed_mid_run_and_restarted(restartable_mlflow, s3_server, capl
     late_run = client.get_run(late.run_id)
     assert late_run.info.status == "FINISHED" and late_run.data.tags["alignflow.stage"] == "dpo"
     assert [(m.step, m.value) for m in client.get_metric_history(late.run_id, "loss")] == [(1, 0.7), (2, 0.6)]
-    messages = [r.getMessage() for r in caplog.records if r.name == "trainer.tracking"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "trainer.tracking.tracker"]
     assert any("unavailable" in m and "queued" in m for m in messages)
     assert any("is back" in m for m in messages)
 
@@ -161,7 +161,7 @@ def test_credentials_in_the_uri_work_and_stay_secret(basic_auth_mlflow, mlflow_s
     password is in no log line, printed output, param, logged artifact or alignflow.json."""
     from mlflow import MlflowClient
 
-    from trainer.sft import SFTConfig, run_sft
+    from trainer.stages.sft import SFTConfig, run_sft
 
     proxy, password = basic_auth_mlflow, basic_auth_mlflow.password
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_URI"):
@@ -169,7 +169,7 @@ def test_credentials_in_the_uri_work_and_stay_secret(basic_auth_mlflow, mlflow_s
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 
     # Without credentials the proxy refuses: MLflow is switched off for that run, with a warning.
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         refused = Tracker(_config(proxy.uri), stage="sft")
     assert refused.run_id is None and "refused starting the run" in caplog.text and "401" in caplog.text
     before = len(proxy.seen)
@@ -204,7 +204,7 @@ def test_credentials_in_the_uri_work_and_stay_secret(basic_auth_mlflow, mlflow_s
 
 def test_dead_server_never_stalls_training(dead_mlflow_uri, caplog):
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         tracker = Tracker(_config(dead_mlflow_uri), stage="sft")
         for step in range(20):
             tracker.log_metrics({"loss": 1.0, "rewards/chosen": 0.0}, step=step)
@@ -214,7 +214,7 @@ def test_dead_server_never_stalls_training(dead_mlflow_uri, caplog):
     elapsed = time.monotonic() - start
 
     assert elapsed < 5, f"a dead MLflow server stalled training for {elapsed:.1f} s"
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer.tracking"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer.tracking.tracker"]
     assert len(warnings) == 1, warnings
     assert dead_mlflow_uri in warnings[0] and "metrics.jsonl" in warnings[0]
     assert tracker.run_id is None and not tracker.active

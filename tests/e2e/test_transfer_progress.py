@@ -5,7 +5,7 @@ import logging
 import re
 import time
 
-from trainer import progress, storage
+from trainer.io import progress, storage
 
 LINE = re.compile(r"(upload to|download) (\S+): ([\d.]+)/([\d.]+) MiB \((\d+)%\), \d+s, ETA \S+")
 
@@ -19,7 +19,7 @@ def test_upload_and_download_of_a_folder_report_bytes_and_eta(s3_env, tmp_path, 
     (folder / "small.json").write_text("{}")  # a few bytes: below the threshold on its own, counted in the total
     uri = f"s3://{s3_env.bucket}/progress/{time.time_ns()}"
 
-    with caplog.at_level(logging.INFO, logger="trainer.storage"):
+    with caplog.at_level(logging.INFO, logger="trainer.io.storage"):
         storage.upload_dir(folder, uri)
         local = storage.fetch_to_local(uri, tmp_path / "back")
     lines = [m.groups() for r in caplog.records if (m := LINE.fullmatch(r.getMessage()))]
@@ -34,7 +34,7 @@ def test_upload_and_download_of_a_folder_report_bytes_and_eta(s3_env, tmp_path, 
 
     caplog.clear()  # below the threshold: no lines at all
     monkeypatch.setattr(storage, "PROGRESS_MIN_BYTES", 64 * 2**20)
-    with caplog.at_level(logging.INFO, logger="trainer.storage"):
+    with caplog.at_level(logging.INFO, logger="trainer.io.storage"):
         storage.upload_dir(folder, uri + "-again")
     assert not [r for r in caplog.records if LINE.fullmatch(r.getMessage())]
     assert progress.PERCENT_STEP == 25  # what the first assertion's percentages rest on

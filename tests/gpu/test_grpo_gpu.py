@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import grpo_config, launch_grpo, prompts_file, rewards_of
-from trainer import checkpoint as ckpt
-from trainer.grpo import run_grpo
+from trainer.engine import checkpoint as ckpt
+from trainer.stages.rl.grpo import run_grpo
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import DEMO_DATA, max_difference, prompts_file, train_cli, weights
-from trainer import checkpoint as ckpt
+from trainer.engine import checkpoint as ckpt
 
 pytestmark = [
     pytest.mark.gpu,

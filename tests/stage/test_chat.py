@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import cli
 from tests.helpers import tiny_sft
-from trainer import chat
+from trainer.cli import chat
 
 QUESTION = "What is the capital of Peru?"
 
@@ -69,7 +69,7 @@ def test_repl_keeps_history_and_resets(sft_checkpoint):
 def test_lora_adapter_folder_chats_on_its_base(tiny_model, tmp_path, capsys):
     adapter = tiny_sft(tiny_model, tmp_path / "lora", lora_r=8, learning_rate=1e-2)
     reply = run_chat(capsys, adapter, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "8")
-    from trainer.models import load_causal_lm
+    from trainer.engine.models import load_causal_lm
 
     merged = tmp_path / "merged"
     load_causal_lm(adapter).save_pretrained(merged)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import history, write_jsonl
-from trainer import checkpoint as ckpt
-from trainer.cli import main
-from trainer.sft import SFTConfig, run_sft
+from trainer.cli.main import main
+from trainer.engine import checkpoint as ckpt
+from trainer.stages.sft import SFTConfig, run_sft
 
 
 def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
@@ -51,7 +51,7 @@ def test_marker_lists_sizes_and_hashes_and_auto_passes_over_a_truncated_file(tin
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     assert "model.safetensors has" in ckpt.verify_checkpoint(str(newest))[0]
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.engine.checkpoint"):
         assert ckpt.resolve_resume("auto", str(out)) == str(out / "checkpoint-2")
     assert any("checkpoint-4 is corrupt" in r.getMessage() for r in caplog.records)
     assert [s for s, _ in ckpt.list_checkpoints(str(out), verify=True)] == [2]
@@ -133,7 +133,7 @@ def test_auto_and_an_explicit_path_refuse_a_changed_run_unless_changes_are_allow
     changed = dict(dataset=data, max_steps=4, learning_rate=0.01, resume_from_checkpoint=str(out / "checkpoint-2"))
     with pytest.raises(ckpt.CheckpointError, match="that checkpoint is from a different run .*fingerprint.*learning"):
         run_sft(sft_config(tiny_model, tmp_path / "branch", **changed))
-    with caplog.at_level(logging.WARNING, logger="trainer.runner"):
+    with caplog.at_level(logging.WARNING, logger="trainer.engine.runner"):
         run_sft(sft_config(tiny_model, tmp_path / "branch", resume_allow_changes=True, **changed))
     warned = [r.getMessage() for r in caplog.records if "RESUMING A CHANGED RUN" in r.getMessage()]
     assert any("learning_rate" in w and "fingerprint" in w for w in warned)

@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trainer.dpo as dpo
+import trainer.stages.dpo as dpo
 from tests.helpers import dpo_config, history, write_jsonl
-from trainer import checkpoint as ckpt
-from trainer.config import parse_config
-from trainer.data import load_rows
-from trainer.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps
-from trainer.loop import step_batches
-from trainer.models import apply_lora, load_causal_lm, load_tokenizer
+from trainer.config.options import parse_config
+from trainer.data.sources import load_rows
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.loop import step_batches
+from trainer.engine.models import apply_lora, load_causal_lm, load_tokenizer
+from trainer.stages.dpo import DPOConfig, Reference, collate, load_split, run_dpo, sequence_logps
 
 TRL_METRICS = ("loss", "grad_norm", "learning_rate", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
@@ -56,7 +56,7 @@ def test_default_reference_is_the_starting_policy(tiny_model, tmp_path):
 
 
 def test_explicit_ref_model_scores_the_reference(tiny_model, tmp_path):
-    from trainer.tiny import init_tiny
+    from trainer.cli.init_tiny import init_tiny
 
     other = str(init_tiny(tmp_path / "other", seed=1))
     out = tmp_path / "explicit"
@@ -164,7 +164,7 @@ def test_padding_free_falls_back_when_attention_mixes_packed_sequences(tiny_mode
     packs = []
     real_collate = dpo.collate
     monkeypatch.setattr(dpo, "collate", lambda *a, **k: packs.append(a[3:] or k) or real_collate(*a, **k))
-    with caplog.at_level(logging.WARNING, logger="trainer.dpo"):
+    with caplog.at_level(logging.WARNING, logger="trainer.stages.dpo"):
         run_dpo(dpo_config(tiny_model, tmp_path / "mixed", max_steps=2))
     assert "padding_free is off" in caplog.text
     assert packs[-1] in ((0,), {}), "training batches must be padded after the check fails"
@@ -203,7 +203,7 @@ def test_identical_pairs_are_dropped_with_a_warning(tiny_model, tmp_path, caplog
     rows += [{"prompt": "Say yes.", "chosen": " Yes.", "rejected": " Yes."}] * 3
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "dropped"
-    with caplog.at_level(logging.WARNING, logger="trainer.preferences"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.preferences"):
         run_dpo(dpo_config(tiny_model, out, dataset=str(path), max_steps=1))
     assert "dropped 3 of 8 pairs whose chosen equals their rejected" in caplog.text
     assert json.loads((out / ckpt.MANIFEST).read_text())["datasets"]["train"]["pairs"] == 5
@@ -225,7 +225,7 @@ def test_chat_pairs_train(tiny_model, tmp_path):
 
 
 def test_cli_runs_demo_config(tiny_model, tmp_path):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     out = tmp_path / "cli"
     argv = ["train", "dpo", "--config", "trainer/configs/dpo_demo.yaml", "--model", tiny_model,

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.helpers import write_jsonl
-from trainer.evaluate import EvalConfig, mean_kl, run_evaluate
-from trainer.models import ModelError, load_reward_model, load_tokenizer
+from trainer.engine.models import load_reward_model, load_tokenizer
+from trainer.errors import ModelError
 from trainer.rollout import Completion
+from trainer.stages.evaluate import EvalConfig, mean_kl, run_evaluate
 
 # ----------------------------------------------------------------------------------------------
 # Models whose behaviour is known
@@ -164,7 +165,7 @@ def test_generation_reports_progress_off_a_terminal(answers_seven, gsm_like, tmp
     """Off a terminal a line every 25 % of the prompts (or 30 s), and one at the end: 1/3, 2/3, 3/3."""
     import logging
 
-    with caplog.at_level(logging.INFO, logger="trainer.evaluate"):
+    with caplog.at_level(logging.INFO, logger="trainer.stages.evaluate"):
         run_evaluate(_config(tmp_path, model=answers_seven, dataset=gsm_like, batch_size=1))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generating")]
     assert [line.split(",")[0] for line in lines] == ["generating: 1/3 prompts (33%)", "generating: 2/3 prompts (67%)",
@@ -256,7 +257,7 @@ def no_generation(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("generation started before the inputs were checked")
 
-    monkeypatch.setattr("trainer.evaluate.generate", fail)
+    monkeypatch.setattr("trainer.stages.evaluate.generate", fail)
 
 
 def test_missing_baseline_and_reference_paths(tiny_model, judge, prompts_file, tmp_path, no_generation):
@@ -274,7 +275,7 @@ def test_missing_baseline_and_reference_paths(tiny_model, judge, prompts_file, t
 def test_cli_eval_logs_a_child_run(answers_seven, gsm_like, tmp_path, capsys, monkeypatch):
     from mlflow import MlflowClient
 
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
     (tmp_path / "mlflow").mkdir()

@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 
 from components import report
 from tests.helpers import grpo_config, prompts_file, rewards_of
-from trainer import checkpoint as ckpt
-from trainer import distributed
-from trainer.completions import build_batch, token_logps
-from trainer.grpo import run_grpo
-from trainer.models import ModelError, load_causal_lm
-from trainer.rewards import RewardError
+from trainer.engine import checkpoint as ckpt
+from trainer.engine import distributed
+from trainer.engine.completions import build_batch, token_logps
+from trainer.engine.models import load_causal_lm
+from trainer.errors import ModelError, RewardError
 from trainer.rollout.base import Completion
+from trainer.stages.rl.grpo import run_grpo
 
 
 def reward_none_for_first(prompts, completions, **_):
@@ -181,7 +181,7 @@ def test_eval_dataset_is_scored_every_eval_steps_and_at_the_end(tiny_model, tmp_
 def test_grpo_model_carries_its_last_completions_for_the_report(tiny_model, tmp_path):
     """A real GRPO run logs completions: the model's manifest keeps the last table, and the report
     built from the folder shows them with the reward function's column and the curves."""
-    from trainer.grpo import run_grpo
+    from trainer.stages.rl.grpo import run_grpo
 
     out = run_grpo(grpo_config(tiny_model, tmp_path, max_steps=2, log_completions_steps=1, num_completions_to_log=3,
                                logging_steps=1))
@@ -220,7 +220,7 @@ def test_first_iteration_log_probs_are_the_engines_sampling_log_probs(tiny_model
     """At temperature 0.5, the old-policy and reference log-probs GRPO computes before its first update
     (both from the starting weights) equal the hf engine's sampling log-probs, so the first iteration's
     importance ratio is 1; with untempered logits they would differ by ~1 nat."""
-    from trainer import grpo
+    from trainer.stages.rl import grpo
 
     seen = []
     real_update = grpo.update

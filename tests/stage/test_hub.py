@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from trainer import checkpoint as ckpt
-from trainer import hub
-from trainer.config import parse_config
-from trainer.sft import SFTConfig
+from trainer.config.options import parse_config
+from trainer.engine import checkpoint as ckpt
+from trainer.engine import hub
+from trainer.stages.sft import SFTConfig
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_card_command_reproduces_the_config(trained):
     manifest = json.loads((trained / ckpt.MANIFEST).read_text())
     card = (trained / "README.md").read_text()
     line = next(li for li in card.splitlines() if li.startswith("alignflow train sft "))
-    assert line == hub.train_command(manifest)
+    assert line == hub.train_command(manifest, SFTConfig)
     config = parse_config(SFTConfig, shlex.split(line)[3:])
     saved = {k: v for k, v in manifest["config"].items() if k not in ("disable_progress_bar",)}
     assert {k: v for k, v in config.to_dict().items() if k in saved} == saved

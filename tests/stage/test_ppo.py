@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.helpers import ROOT, ppo_config, rewards_of
-from trainer import checkpoint as ckpt
-from trainer.ppo import run_ppo
-from trainer.rewards import load_reward_function
+from trainer.engine import checkpoint as ckpt
+from trainer.rewards.functions import load_reward_function
+from trainer.stages.rl.ppo import run_ppo
 
 PPO_METRICS = ("objective/kl", "objective/scores", "objective/rlhf_reward", "objective/kl_coef", "ppo/loss/policy",
                "ppo/loss/value", "ppo/policy/approxkl", "ppo/policy/clipfrac", "ppo/val/vpred", "ppo/val/clipfrac",
@@ -99,7 +99,7 @@ def test_lora_ppo_saves_adapter_and_value_function(tiny_model, reward_checkpoint
 
 def test_cli_trains_ppo_with_the_shipped_demo_config(tiny_model, tmp_path):
     """`alignflow train ppo --config trainer/configs/ppo_demo.yaml` (the built-in demo prompts) runs end to end."""
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     out = tmp_path / "cli"
     assert main(["train", "ppo", "--config", str(ROOT / "trainer/configs/ppo_demo.yaml"), "--model", tiny_model,
@@ -113,7 +113,7 @@ def test_ppo_completions_show_score_and_mean_advantage(tiny_model, tmp_path):
     """PPO's table: the weighted score (after the missing-EOS penalty) and each completion's mean
     per-token advantage, next to the reward function's column."""
     from tests.helpers import ppo_config
-    from trainer.ppo import run_ppo
+    from trainer.stages.rl.ppo import run_ppo
 
     out = run_ppo(ppo_config(tiny_model, tmp_path, max_steps=1, log_completions_steps=1, num_completions_to_log=2))
     samples = ckpt.read_json(str(Path(out, ckpt.MANIFEST)))["samples"]
@@ -125,7 +125,7 @@ def test_ppo_completions_show_score_and_mean_advantage(tiny_model, tmp_path):
 def test_rollout_log_probs_are_the_engines_sampling_log_probs(tiny_model, tmp_path, monkeypatch):
     """At temperature 0.5, PPO's rollout-time policy and reference log-probs equal the hf engine's
     sampling log-probs (TRL divides both by the temperature), so the first KL is 0 and the first ratio 1."""
-    from trainer import ppo
+    from trainer.stages.rl import ppo
 
     seen = []
     real_rollout = ppo.rollout

@@ -15,8 +15,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import history
-from trainer import checkpoint as ckpt
-from trainer.cli import main
+from trainer.cli.main import main
+from trainer.engine import checkpoint as ckpt
 
 COMMON = ["--max_steps", "4", "--save_steps", "2", "--save_total_limit", "0", "--per_device_batch_size", "8",
           "--learning_rate", "0.003", "--max_length", "128", "--disable_progress_bar", "true", "--logging_steps", "1"]

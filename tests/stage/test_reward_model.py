@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import history, write_jsonl
-from trainer import checkpoint as ckpt
-from trainer import reward
-from trainer.models import load_tokenizer
-from trainer.preferences import reward_texts
-from trainer.reward import RewardConfig, run_reward
-from trainer.rewards import RewardModelScorer
+from trainer.data.preferences import reward_texts
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.models import load_tokenizer
+from trainer.rewards.scorer import RewardModelScorer
+from trainer.stages import reward_model as reward
+from trainer.stages.reward_model import RewardConfig, run_reward
 
 FILLER = ("apple river stone cloud green music paper light table window garden silver orange yellow bread "
           "water horse chair ocean forest").split()
@@ -250,7 +250,7 @@ def test_mlflow_run_gets_params_step_metrics_and_the_manifest(tiny_model, agreem
 
 
 def test_cli_runs_demo_config(tiny_model, tmp_path):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     out = tmp_path / "cli"
     argv = ["train", "reward", "--config", "trainer/configs/reward_demo.yaml", "--model", tiny_model,

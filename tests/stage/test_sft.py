@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import CHAT_TEMPLATE, SerialSFT, history, weights, without_chat_template
-from trainer import checkpoint as ckpt
-from trainer.config import parse_config
-from trainer.models import load_causal_lm, load_tokenizer
-from trainer.sft import SFTConfig, run_sft
+from trainer.config.options import parse_config
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.models import load_causal_lm, load_tokenizer
+from trainer.stages.sft import SFTConfig, run_sft
 
 
 def sft_config(model: str, out: Path, **overrides) -> SFTConfig:
@@ -67,17 +67,17 @@ def test_packing_trains(tiny_model, tmp_path):
 def test_arrow_data_trains_the_same_weights_as_the_serial_path(tiny_model, tmp_path, monkeypatch, caplog, packing):
     """The tokens in Arrow (first run: tokenized; second: read from the cache) train exactly the weights that the
     serial in-memory path trained (`tests.helpers.SerialSFT`); chat data with max_length 64 truncates half the rows."""
-    import trainer.sft
+    import trainer.stages.sft
 
     monkeypatch.setenv("ALIGNFLOW_CACHE", str(tmp_path / "cache"))
     args = dict(dataset="demo:chat", max_length=64, truncation_mode="keep_end", packing=packing, max_steps=4,
                 per_device_batch_size=4, eval_split_ratio=0.1)
     for name in ("arrow", "cached"):
-        with caplog.at_level("INFO", logger="trainer.token_cache"):
+        with caplog.at_level("INFO", logger="trainer.data.token_cache"):
             run_sft(sft_config(tiny_model, tmp_path / name, **args))
     assert caplog.text.count("tokenized data from cache") == 2  # the second run's train and eval data
     with monkeypatch.context() as patch:
-        patch.setattr(trainer.sft, "tokenize_sft", SerialSFT)
+        patch.setattr(trainer.stages.sft, "tokenize_sft", SerialSFT)
         run_sft(sft_config(tiny_model, tmp_path / "serial", **args))
     serial, start = weights(tmp_path / "serial"), weights(tiny_model)
     for name in ("arrow", "cached"):
@@ -123,7 +123,8 @@ def test_resume_skips_incomplete_checkpoints(tiny_model, tmp_path):
         ckpt.resolve_resume(str(broken), str(out))
     # And the model loader refuses a folder whose writer died before finishing.
     (out / ckpt.COMPLETE_MARKER).unlink()
-    from trainer.models import ModelError, resolve_model_path
+    from trainer.engine.models import resolve_model_path
+    from trainer.errors import ModelError
 
     with pytest.raises(ModelError, match="incomplete"):
         resolve_model_path(str(out))
@@ -139,7 +140,7 @@ def test_resume_continues_metrics_and_steps(tiny_model, tmp_path):
 
 
 def test_cli_runs_demo_config(tiny_model, tmp_path):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     out = tmp_path / "cli"
     argv = ["train", "sft", "--config", "trainer/configs/sft_demo.yaml", "--model", tiny_model,
@@ -154,7 +155,7 @@ def test_sft_with_a_chat_template_path_saves_it(tiny_model, tmp_path):
     """A base model without a template trains on chat data with the file's template, and keeps it."""
     from transformers import AutoTokenizer
 
-    from trainer.sft import run_sft
+    from trainer.stages.sft import run_sft
 
     jinja = tmp_path / "chat.jinja"
     jinja.write_text(CHAT_TEMPLATE)

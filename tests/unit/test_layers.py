@@ -85,12 +85,12 @@ def test_allowed_imports_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     path = tmp_path / "trainer/rollout/engine.py"
     path.parent.mkdir(parents=True)
-    path.write_text("from vllm import LLM\nfrom . import base\nimport trainer.config\n")
+    path.write_text("from vllm import LLM\nfrom . import base\nimport trainer.config.options\n")
     assert violations([path]) == []
 
 
 @pytest.mark.parametrize(("module", "absent"), [
-    ("trainer.cli", ("pipelines", "components", "kfp")),
+    ("trainer.cli.main", ("pipelines", "components", "kfp")),
     ("pipelines.cli", ("kfp", "components")),  # the console script reaches KFP only for `pipeline` commands
 ])
 def test_importing_the_entry_point_loads_no_upper_layer(module, absent):

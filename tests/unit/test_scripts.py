@@ -46,7 +46,7 @@ def test_gpu_check_runs_a_valid_config_of_every_stage(tmp_path):
     (its dry run trains SFT only: tests/e2e/test_ranks.py)."""
     import importlib.util
 
-    from trainer.config import parse_config
+    from trainer.config.options import parse_config
     from trainer.stages import stage_parts
 
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")

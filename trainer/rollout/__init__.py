@@ -10,7 +10,8 @@ Only `vllm_engine.py` and `server.py` import vllm, and only when a vLLM engine o
 
 from __future__ import annotations
 
-from trainer.extras import MissingExtra, message
+from trainer.errors import MissingExtra
+from trainer.extras import message
 from trainer.rollout.base import Completion, RolloutEngine, SamplingConfig
 from trainer.rollout.hf import HFEngine
 

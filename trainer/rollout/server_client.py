@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.launch import free_port
+from trainer.engine.launch import free_port
+from trainer.errors import RolloutServerError
 from trainer.rollout.base import (
     Completion,
     EngineContext,
@@ -63,10 +64,6 @@ if os.getppid() != int(sys.argv[1]):
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 CHUNK_BYTES = 256 * 2**20
-
-
-class RolloutServerError(RuntimeError):
-    """The rollout server cannot be reached, refused a request, or stopped: the message says what to do."""
 
 
 def server_url(host: str | None, port: int | None, base_url: str | None) -> str | None:

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from components import launcher
-from trainer import checkpoint as ckpt
-from trainer.config import TrainConfig
-from trainer.tracking import Tracker
+from trainer.config.options import TrainConfig
+from trainer.engine import checkpoint as ckpt
+from trainer.tracking.tracker import Tracker
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,8 @@ def test_the_pipeline_run_tasks_start_without_torch():
 
 def test_ranks_stopped_by_a_signal_end_the_task_with_the_preemption_code(tmp_path, monkeypatch):
     """A task that starts its ranks in the pod passes the launcher's 75 on (its retry resumes); another code fails."""
-    from trainer import launch
-    from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from trainer.engine import launch
+    from trainer.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     config = TrainConfig(model="m", dataset="d", output_dir=str(tmp_path / "out"), num_processes=2)
     monkeypatch.setattr(launch, "launch", lambda stage, argv, config: PREEMPTED_EXIT_CODE)

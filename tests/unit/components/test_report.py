@@ -1,4 +1,4 @@
-"""The KFP task reports (components/report.py) and the completions tables (trainer/completions.py)."""
+"""The KFP task reports (components/report.py) and the completions tables (trainer/engine/completions.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from components import launcher, report
-from trainer.completions import chat_text, completions_table, flat_sample, sample_rows
+from trainer.engine.completions import chat_text, completions_table, flat_sample, sample_rows
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 
@@ -101,7 +101,7 @@ def test_mlflow_url_leaves_credentials_out(monkeypatch):
 
 
 def test_evaluate_report_shows_samples_with_reward_columns(tmp_path):
-    # As trainer.evaluate writes it: the weighted reward before the per-function ones.
+    # As trainer.stages.evaluate writes it: the weighted reward before the per-function ones.
     (tmp_path / "samples.jsonl").write_text(json.dumps({"prompt": CHAT, "completion": "4", "reward": 1.0,
                                                        "rewards": {"accuracy": 1.0}}) + "\n")
     page = report.render(launcher.evaluate_report({"reward": 1.0}, str(tmp_path), False, "no champion yet", ""))

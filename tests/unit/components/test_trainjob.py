@@ -21,7 +21,7 @@ from components.kubernetes import HUB_SECRET_ENV, SECRET_ENV
 from components.launcher import checkpoint_uri as launcher_checkpoint_uri  # the tests patch launcher's
 from pipelines import run as pipeline_run
 from tests.helpers import ROOT
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 KUBE_VERSIONS = ["1.30.0", "1.33.0"]
 GRPO = {
@@ -600,7 +600,7 @@ def test_a_retried_multi_node_task_resumes_from_the_checkpoints_of_the_failed_at
     starts after the job finished but before the task did (its download failed) submits no job at all."""
     from components import launcher
     from components.kubernetes import RUN_ID_ENV
-    from trainer import checkpoint as ckpt
+    from trainer.engine import checkpoint as ckpt
 
     store, submitted = FakeStore(monkeypatch), []
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pipelines import containers
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 IMAGE = containers.Image("reg.example/trainer:1-cpu", "sha256:" + "ab" * 32)
 

@@ -9,7 +9,7 @@ import yaml
 
 from pipelines import run as pipeline_run
 from pipelines.post_training import PIPELINES
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 DEMO = "pipelines/configs/demo.yaml"
 
@@ -194,7 +194,7 @@ def test_console_script_lists_every_group_and_dispatches(capsys):
 
 
 def test_trainer_cli_has_no_pipeline_group(capsys):
-    from trainer import cli
+    from trainer.cli import main as cli
 
     with pytest.raises(SystemExit):
         cli.main(["pipeline", "compile"])
@@ -332,7 +332,7 @@ def test_common_knobs_fill_the_stage_configs_and_stage_keys_win():
 
 
 def test_fingerprint_follows_the_data_not_the_uri(tmp_path):
-    from trainer.storage import fingerprint
+    from trainer.io.storage import fingerprint
 
     data = tmp_path / "data"
     data.mkdir()

@@ -1,16 +1,16 @@
-"""Shared-prompt attention (trainer/attention.py): the same log-probs and gradients as plain attention, at less cost."""
+"""Shared-prompt attention (trainer/engine/attention.py): the same log-probs and gradients as plain attention, at less cost."""
 
 import pytest
 import torch
 
-from trainer.attention import (
+from trainer.engine.attention import (
     SHARED_ATTENTION,
     register_shared_attention,
     share_prompts,
     shared_prompt_attention,
 )
-from trainer.completions import build_batch, token_logps
-from trainer.models import load_causal_lm
+from trainer.engine.completions import build_batch, token_logps
+from trainer.engine.models import load_causal_lm
 from trainer.rollout.base import Completion
 
 

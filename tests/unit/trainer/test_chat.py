@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipelines import cli
-from trainer import chat
+from trainer.cli import chat
 from trainer.rollout import Completion
 
 QUESTION = "What is the capital of Peru?"

@@ -1,4 +1,4 @@
-"""trainer/checkpoint.py without a model: which write errors count as a full disk (`DiskFullError`, one line)."""
+"""trainer/engine/checkpoint.py without a model: which write errors count as a full disk (`DiskFullError`, one line)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.engine import checkpoint as ckpt
 
 
 class FailingModel(torch.nn.Linear):
@@ -62,7 +62,7 @@ def zero_accelerator():
 def test_a_zero_shard_on_a_full_disk_is_one_line_and_the_unfinished_step_checkpoint_goes(error, tmp_path, monkeypatch):
     """Every DeepSpeed rank writes its ZeRO shard into the step checkpoint before rank 0 writes the rest. torch.save's
     RuntimeError carries no errno: with under 1 MiB left on the disk after it, it is a full disk too."""
-    from trainer import distributed
+    from trainer.engine import distributed
 
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=4096))
     step = tmp_path / "run" / "checkpoint-4"
@@ -73,7 +73,7 @@ def test_a_zero_shard_on_a_full_disk_is_one_line_and_the_unfinished_step_checkpo
 
 
 def test_a_zero_shard_error_on_a_roomy_disk_passes_through(tmp_path):
-    from trainer import distributed
+    from trainer.engine import distributed
 
     step = tmp_path / "run" / "checkpoint-4"
     with pytest.raises(RuntimeError, match="a bug"):
@@ -86,7 +86,8 @@ def test_a_full_tmpdir_while_staging_an_object_store_checkpoint_is_one_line_nami
     line, naming the staging folder and TMPDIR; the staging folder is removed and nothing is marked complete."""
     import tempfile
 
-    from trainer import distributed, storage
+    from trainer.engine import distributed
+    from trainer.io import storage
 
     staging = tmp_path / "tmpdir"
     staging.mkdir()

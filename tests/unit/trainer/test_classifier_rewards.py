@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tests.helpers import classifier_checkpoint
-from trainer.config import ConfigError
-from trainer.models import ModelError, load_reward_model, load_tokenizer
-from trainer.preferences import reward_texts
-from trainer.rewards import RewardModelScorer, load_reward_function
+from trainer.data.preferences import reward_texts
+from trainer.engine.models import load_reward_model, load_tokenizer
+from trainer.errors import ConfigError, ModelError
+from trainer.rewards.functions import load_reward_function
+from trainer.rewards.scorer import RewardModelScorer
 
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "Write something about item 3."]
 COMPLETIONS = [" 4", " Blue, or perhaps green.", " a a a"]
@@ -63,7 +64,7 @@ def test_missing_or_unknown_label_is_a_one_line_error(three_labels, monkeypatch,
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights must not load before the label is checked")
 
-    monkeypatch.setattr("trainer.rewards.load_reward_model", no_weights)
+    monkeypatch.setattr("trainer.rewards.scorer.load_reward_model", no_weights)
     with pytest.raises(ModelError, match=message) as err:
         load_reward_function(three_labels, label=label)
     assert "\n" not in str(err.value)

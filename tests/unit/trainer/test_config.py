@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from trainer import cli
-from trainer.config import ConfigError, config_from_dict, parse_config
-from trainer.sft import SFTConfig
+from trainer.cli import main as cli
+from trainer.config.options import config_from_dict, parse_config
+from trainer.errors import ConfigError
+from trainer.stages import stage_parts
+from trainer.stages.sft import SFTConfig
 
-CONFIGS = sorted((Path(cli.__file__).parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(cli.__file__).resolve().parents[1] / "configs").glob("*.yaml"))  # trainer/configs
 REQUIRED = ["--model", "m", "--dataset", "demo"]
 
 
@@ -188,8 +189,7 @@ def test_shipped_yaml_loads_with_its_stage(path, tmp_path):
     assert match, f"{path.name} must start with `# alignflow train <stage> --config ...`, got {first!r}"
     stage, named = match.groups()
     assert named.endswith(f"configs/{path.name}"), f"{path.name}'s command names another file: {named}"
-    module_name, config_name, _ = cli.STAGES[stage]
-    config_cls = getattr(importlib.import_module(module_name), config_name)
+    config_cls, _ = stage_parts(stage)
     config = parse_config(config_cls, ["--config", str(path), "--model", "m", "--output_dir", str(tmp_path)])
     assert isinstance(config, config_cls) and config.output_dir == str(tmp_path)
     for key, value in yaml.safe_load(path.read_text()).items():
@@ -200,8 +200,7 @@ def test_shipped_yaml_loads_with_its_stage(path, tmp_path):
 def test_shipped_yaml_holds_overrides_only(path):
     """STYLE rule 4: a YAML that repeats a default hides which knobs the recipe really changes."""
     stage = re.match(r"#\s*alignflow train (\w+)", path.read_text()).group(1)
-    module_name, config_name, _ = cli.STAGES[stage]
-    config_cls = getattr(importlib.import_module(module_name), config_name)
+    config_cls, _ = stage_parts(stage)
     defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
                 for f in dataclasses.fields(config_cls)}
     repeated = {key: value for key, value in yaml.safe_load(path.read_text()).items() if defaults[key] == value}

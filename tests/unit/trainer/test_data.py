@@ -15,15 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import write_jsonl
-from trainer.data import (
-    DataError,
-    demo_path,
-    detect_sft_format,
-    load_rows,
-    pack_best_fit,
-    render_chat,
-    tokenize_sft,
-)
+from trainer.data.chat_templates import render_chat
+from trainer.data.formatting import detect_sft_format, pack_best_fit, tokenize_sft
+from trainer.data.sources import demo_path, load_rows
+from trainer.errors import DataError
 
 ROWS = [
     {"prompt": "What is 2 plus 2?", "completion": " 4"},
@@ -308,7 +303,7 @@ def _length_rows(tokenizer) -> tuple[list[dict], list[list[int]], int]:
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
 def test_long_rows_are_truncated_and_counted(tokenizer, caplog, mode):
     rows, full, max_length = _length_rows(tokenizer)
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.sources"):
         out = tokenize_sft(_dataset(rows), tokenizer, "lengths", max_length, mode)
     assert out.num_truncated == 2 and out.num_dropped_long == 0 and len(out) == 5
     for ids, mask, whole in zip(out.input_ids, out.loss_mask, full):
@@ -321,7 +316,7 @@ def test_long_rows_are_truncated_and_counted(tokenizer, caplog, mode):
 
 def test_long_rows_are_dropped_and_counted(tokenizer, caplog):
     rows, full, max_length = _length_rows(tokenizer)
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.sources"):
         out = tokenize_sft(_dataset(rows), tokenizer, "lengths", max_length, "drop")
     assert out.num_dropped_long == 2 and out.num_truncated == 0
     assert list(out.input_ids) == [ids for ids in full if len(ids) <= max_length]
@@ -338,7 +333,7 @@ def test_all_rows_too_long_with_drop_is_an_error(tokenizer):
 
 def test_rows_whose_completion_is_cut_off_are_dropped(tokenizer, caplog):
     rows = [{"prompt": " ".join(["word"] * 30), "completion": " yes"}, ROWS[0]]
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.sources"):
         out = tokenize_sft(_dataset(rows), tokenizer, "cut", 12, "keep_start")
     assert out.num_truncated == 1 and out.num_dropped_no_loss == 1 and len(out) == 1
     assert "dropped 1 rows with no trainable tokens" in caplog.text
@@ -408,7 +403,7 @@ def test_pack_best_fit_random_is_near_optimal(high, slack):
 
 def test_data_fingerprint_is_the_rows_content(tmp_path):
     """Same rows loaded from another path (or re-downloaded) -> same fingerprint; one changed value -> another."""
-    from trainer.data import dataset_fingerprint, load_rows
+    from trainer.data.sources import dataset_fingerprint, load_rows
 
     rows = [{"prompt": f"Say {w}.", "completion": f" {w}"} for w in ["red", "green", "blue"]]
     a = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "a.jsonl", rows), "train"))

@@ -4,9 +4,8 @@
 import pytest
 
 from tests.helpers import dpo_config
-from trainer.config import ConfigError
-from trainer.data import DataError
-from trainer.dpo import DPOConfig, run_dpo
+from trainer.errors import ConfigError, DataError
+from trainer.stages.dpo import DPOConfig, run_dpo
 
 
 def test_sft_data_fails_before_the_model_loads(tiny_model, tmp_path, count_model_loads):

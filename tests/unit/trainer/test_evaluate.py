@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_jsonl
-from trainer.config import ConfigError, parse_config
-from trainer.data import DataError
-from trainer.evaluate import EvalConfig, run_evaluate, win_rates
-from trainer.models import ModelError
+from trainer.config.options import parse_config
+from trainer.errors import ConfigError, DataError, ModelError
+from trainer.stages.evaluate import EvalConfig, run_evaluate, win_rates
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def no_generation(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("generation started before the inputs were checked")
 
-    monkeypatch.setattr("trainer.evaluate.generate", fail)
+    monkeypatch.setattr("trainer.stages.evaluate.generate", fail)
 
 
 def test_win_rate_rule():
@@ -86,7 +85,7 @@ def test_parse_config_and_environment_fallbacks(monkeypatch):
 
 
 def test_cli_eval_reports_bad_input(prompts_file, tmp_path, capsys):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     assert main(["eval", "--model", str(tmp_path / "missing"), "--dataset", prompts_file]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.gguf_writer import write_llama_gguf
-from trainer.gguf import fix_pre_tokenizer, import_gguf
-from trainer.tiny import build_tokenizer, init_tiny
+from trainer.cli.gguf import fix_pre_tokenizer, import_gguf
+from trainer.cli.init_tiny import build_tokenizer, init_tiny
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

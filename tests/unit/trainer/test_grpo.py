@@ -3,9 +3,8 @@
 import pytest
 
 from tests.helpers import grpo_config, prompts_file, write_jsonl
-from trainer.config import ConfigError
-from trainer.data import DataError
-from trainer.grpo import run_grpo
+from trainer.errors import ConfigError, DataError
+from trainer.stages.rl.grpo import run_grpo
 
 
 def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
@@ -21,8 +20,8 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
 
 
 def test_truncation_mode_and_unsupported_eval_split(tiny_model, tmp_path):
-    from trainer.grpo import load_prompts
-    from trainer.models import load_tokenizer
+    from trainer.engine.models import load_tokenizer
+    from trainer.stages.rl.grpo import load_prompts
 
     tokenizer = load_tokenizer(tiny_model)
     path = prompts_file(tmp_path / "p.jsonl", n=4)

@@ -4,8 +4,9 @@ import pytest
 from huggingface_hub import ModelCard
 
 from tests.helpers import CHAT_DATA
-from trainer import cli, hub
-from trainer.sft import SFTConfig
+from trainer.cli import main as cli
+from trainer.engine import hub
+from trainer.stages.sft import SFTConfig
 
 
 def test_front_matter_names_hub_ids_only(tmp_path):

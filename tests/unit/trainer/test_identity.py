@@ -1,4 +1,4 @@
-"""Run identity (trainer/identity.py) and the config checks that keep a run from harming its inputs: the
+"""Run identity (trainer/engine/identity.py) and the config checks that keep a run from harming its inputs: the
 identity's fields and what is left out of it, the model digest, how two identities differ, an `output_dir`
 that meets an input, duplicate YAML keys and a list where one value is due. No training here: the
 resume-identity runs are in tests/stage/test_resume_identity.py."""
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer import identity
-from trainer.config import ConfigError, config_from_dict, parse_config
-from trainer.dpo import DPOConfig
-from trainer.grpo import GRPOConfig
-from trainer.sft import SFTConfig
+from trainer.config.options import config_from_dict, parse_config
+from trainer.engine import identity
+from trainer.errors import ConfigError
+from trainer.stages.dpo import DPOConfig
+from trainer.stages.rl.grpo import GRPOConfig
+from trainer.stages.sft import SFTConfig
 
 
 def sft_values(**overrides) -> dict:
@@ -171,7 +172,7 @@ def test_duplicate_yaml_keys_name_the_key_and_lines(tmp_path):
     with pytest.raises(ConfigError, match=r"dup.yaml.*`learning_rate` is set twice, on line 1 and again on line 3"):
         parse_config(SFTConfig, ["--model", "m", "--dataset", "demo", "--config", str(path)])
     path.write_text("base: &b {seed: 1}\nmerged:\n  <<: *b\n  lr: 2\n")  # merge keys are not duplicates
-    from trainer.config import strict_yaml
+    from trainer.config.strict_yaml import strict_yaml
 
     assert strict_yaml(path.read_text())["merged"] == {"seed": 1, "lr": 2}
 

@@ -1,4 +1,4 @@
-"""Hand-derived checks of trainer/losses.py.
+"""Hand-derived checks of trainer/algorithms/losses.py.
 
 Each test's docstring does the arithmetic; the assertions compare against those numbers
 (rounded to ~6 significant digits, hence the tolerances). Notation: σ = sigmoid,
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from trainer.losses import (
+from trainer.algorithms.losses import (
     AdaptiveKLController,
     FixedKLController,
     aggregate_token_loss,

@@ -1,9 +1,9 @@
-"""Loading tokenizers and models (trainer/models.py)."""
+"""Loading tokenizers and models (trainer/engine/models.py)."""
 
 import json
 import warnings
 
-from trainer.models import load_tokenizer
+from trainer.engine.models import load_tokenizer
 
 
 def test_tokenizer_without_pad_token_falls_back_to_eos(tiny_model, tmp_path):

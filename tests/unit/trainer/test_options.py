@@ -12,12 +12,14 @@ import datasets
 import pytest
 import torch
 
-from trainer import distributed, launch, trl_names
-from trainer.config import ConfigError, TrainConfig, config_from_dict, parse_config
-from trainer.data import DataError, load_train_eval
-from trainer.grpo import eval_prompts_per_batch
-from trainer.loop import build_optimizer, build_scheduler, total_steps
+from trainer.config import trl_names
+from trainer.config.options import TrainConfig, config_from_dict, parse_config
+from trainer.data.sources import load_train_eval
+from trainer.engine import distributed, launch
+from trainer.engine.loop import build_optimizer, build_scheduler, total_steps
+from trainer.errors import ConfigError, DataError
 from trainer.stages import stage_parts
+from trainer.stages.rl.grpo import eval_prompts_per_batch
 
 STAGES = ("sft", "reward", "dpo", "grpo", "ppo")
 RL = ("grpo", "ppo")
@@ -54,13 +56,13 @@ def test_fp16_on_the_cpu_is_a_note_not_an_error(caplog):
     """accelerate takes `fp16` on the CPU and computes in float32 (no autocast, no scaler): say so, and train."""
     if torch.cuda.is_available():
         pytest.skip("fp16 works on a GPU")
-    with caplog.at_level("WARNING", logger="trainer.distributed"):
+    with caplog.at_level("WARNING", logger="trainer.engine.distributed"):
         accelerator = distributed.make_accelerator(_config("sft", dataset="demo", fp16=True))
     assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
     notes = [r.getMessage() for r in caplog.records if "`fp16`" in r.getMessage()]
     assert len(notes) == 1 and "no effect on the CPU" in notes[0] and "`bf16`" in notes[0], notes
     caplog.clear()
-    with caplog.at_level("WARNING", logger="trainer.distributed"):
+    with caplog.at_level("WARNING", logger="trainer.engine.distributed"):
         distributed.make_accelerator(_config("sft", dataset="demo"))
     assert not [r for r in caplog.records if "`fp16`" in r.getMessage()]
 
@@ -69,7 +71,7 @@ def test_fp16_on_the_cpu_is_a_note_not_an_error(caplog):
 def test_fewer_examples_than_one_step_takes_is_a_note(rows, batch, accumulation, noted, caplog):
     config = _config("sft", dataset="demo", per_device_batch_size=batch, gradient_accumulation_steps=accumulation,
                      max_steps=2)
-    with caplog.at_level("WARNING", logger="trainer.loop"):
+    with caplog.at_level("WARNING", logger="trainer.engine.loop"):
         assert total_steps(config, rows) == 2
     notes = [r.getMessage() for r in caplog.records if "fewer than one optimizer step takes" in r.getMessage()]
     assert len(notes) == noted, notes

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import ppo_config
-from trainer import checkpoint as ckpt
-from trainer.config import ConfigError
-from trainer.models import ModelError, load_tokenizer
-from trainer.ppo import load_critic, run_ppo
+from trainer.engine import checkpoint as ckpt
+from trainer.engine.models import load_tokenizer
+from trainer.errors import ConfigError, ModelError
+from trainer.stages.rl.ppo import load_critic, run_ppo
 
 
 def test_critic_keeps_the_row_of_reward_label(tiny_model, sentiment_checkpoint, tmp_path):
@@ -62,8 +62,8 @@ def test_unusable_critics_are_one_line_errors_before_training(tiny_model, reward
     ({"critic_model": "rm"}, "`critic_model` .* is used with critic=reward_model only"),
 ])
 def test_bad_config_is_rejected(tiny_model, tmp_path, overrides, message):
-    from trainer.config import config_from_dict
-    from trainer.ppo import PPOConfig
+    from trainer.config.options import config_from_dict
+    from trainer.stages.rl.ppo import PPOConfig
 
     if message is None:  # a Literal field: rejected by the parser, as for GRPO
         with pytest.raises(ConfigError, match="invalid choice"):
@@ -74,7 +74,7 @@ def test_bad_config_is_rejected(tiny_model, tmp_path, overrides, message):
 
 
 def test_cli_help_lists_ppo_fields(capsys):
-    from trainer import cli
+    from trainer.cli import main as cli
 
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "ppo", "--help"])

@@ -1,13 +1,13 @@
-"""Preference pairs (trainer/preferences.py): truncation of prompt and replies, batches and their masks."""
+"""Preference pairs (trainer/data/preferences.py): truncation of prompt and replies, batches and their masks."""
 
 import logging
 
 import pytest
 
-from trainer.data import DataError
-from trainer.dpo import collate
-from trainer.models import load_tokenizer
-from trainer.preferences import PreferenceText, tokenize_dpo_pairs
+from trainer.data.preferences import PreferenceText, tokenize_dpo_pairs
+from trainer.engine.models import load_tokenizer
+from trainer.errors import DataError
+from trainer.stages.dpo import collate
 
 
 def test_tokenization_truncates_prompt_left_and_completion_per_mode(tiny_model, caplog):

@@ -3,10 +3,10 @@
 import logging
 import re
 
-from trainer import progress
-from trainer.progress import Progress, Reporter, eta_seconds, format_duration, format_step_line
+from trainer.io import progress
+from trainer.io.progress import Progress, Reporter, eta_seconds, format_duration, format_step_line
 
-# What a GRPO step logs (trainer/grpo.py cycle_metrics + update stats + timings + the runner's extras).
+# What a GRPO step logs (trainer/stages/rl/grpo.py cycle_metrics + update stats + timings + the runner's extras).
 GRPO_METRICS = {
     "grad_norm": 0.8123, "clip_ratio/region_mean": 0.0, "entropy": 3.2188, "reward_std": 0.43, "reward": 0.5625,
     "frac_reward_zero_std": 0.25, **{f"rewards/{f}/{s}": 0.5 for f in ("exact_answer", "answer_format", "judge")
@@ -49,7 +49,7 @@ def test_eta_and_durations():
 
 def test_training_progress_logs_a_step_line_with_eta_off_a_terminal(caplog):
     bar = Progress(total=4, initial=2, desc="sft")  # resumed at step 2: the ETA counts only this run's steps
-    with caplog.at_level(logging.INFO, logger="trainer.progress"):
+    with caplog.at_level(logging.INFO, logger="trainer.io.progress"):
         bar.update(3, {"loss": 0.5, "learning_rate": 1e-4})
     bar.close()
     (line,) = [r.getMessage() for r in caplog.records]
@@ -58,7 +58,7 @@ def test_training_progress_logs_a_step_line_with_eta_off_a_terminal(caplog):
 
 def test_reporter_logs_every_quarter_and_at_the_end_off_a_terminal(caplog, monkeypatch):
     monkeypatch.setattr(progress, "PERIOD_S", 3600.0)
-    with caplog.at_level(logging.INFO, logger="trainer.progress"), Reporter(8, "generating", unit="prompts") as r:
+    with caplog.at_level(logging.INFO, logger="trainer.io.progress"), Reporter(8, "generating", unit="prompts") as r:
         for _ in range(8):
             r.update()
     lines = [rec.getMessage() for rec in caplog.records]
@@ -67,7 +67,7 @@ def test_reporter_logs_every_quarter_and_at_the_end_off_a_terminal(caplog, monke
 
 
 def test_reporter_logs_after_the_period_even_below_a_quarter(caplog):
-    with caplog.at_level(logging.INFO, logger="trainer.progress"):
+    with caplog.at_level(logging.INFO, logger="trainer.io.progress"):
         r = Reporter(100 * 2**20, "upload s3://b/m", bytes_=True)
         r.update(2**20 // 2)  # 0.5% just now: nothing yet
         r.start -= 40.0  # as if it had started 40 s ago...

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer import checkpoint as ckpt
-from trainer.registry import (
+from trainer.engine import checkpoint as ckpt
+from trainer.errors import RegistryError
+from trainer.stages.promote import (
     CHAMPION,
     PREVIOUS_CHAMPION,
     PromotionResult,
-    RegistryError,
     champion_uri,
     download_champion,
     gate,
@@ -300,7 +300,7 @@ def test_bad_candidates_register_nothing(uri, client, tmp_path):
 
 
 def test_cli_promote_and_rollback(uri, client, tmp_path, capsys):
-    from trainer.cli import main
+    from trainer.cli.main import main
 
     name = _name()
     for i, reward in enumerate([0.5, 0.8]):

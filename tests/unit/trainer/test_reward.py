@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_jsonl
-from trainer import reward
-from trainer.data import DataError
-from trainer.reward import RewardConfig, run_reward
+from trainer.errors import DataError
+from trainer.stages import reward_model as reward
+from trainer.stages.reward_model import RewardConfig, run_reward
 
 
 def rm_config(model: str, dataset: str, out: Path, **overrides) -> RewardConfig:

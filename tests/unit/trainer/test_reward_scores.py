@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from trainer.rewards import RewardError, exact_answer, score_completions
+from trainer.errors import RewardError
+from trainer.rewards.functions import score_completions
+from trainer.rewards.rules import exact_answer
 
 PROMPTS = ["What is 2+2?", "What is 3+3?"]
 COMPLETIONS = ["#### 4", "#### 5"]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import render_chat
-from trainer.models import load_reward_model, load_tokenizer
-from trainer.rewards import RewardModelScorer, plain_chat
+from trainer.data.chat_templates import render_chat
+from trainer.engine.models import load_reward_model, load_tokenizer
+from trainer.rewards.scorer import RewardModelScorer, plain_chat
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_the_loader_itself_holds_import_paths_to_the_allow_list(tmp_path, monkey
     ALIGNFLOW_ALLOWED_REWARD_MODULES: the module's code would run before any check."""
     import sys
 
-    from trainer.config import ConfigError
-    from trainer.rewards import load_reward_function
+    from trainer.errors import ConfigError
+    from trainer.rewards.functions import load_reward_function
 
     (tmp_path / "sneaky_rewards.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\n"
                                                "def score(prompts, completions, **_):\n    return [1.0] * len(prompts)\n")
@@ -116,7 +116,7 @@ def test_the_loader_itself_holds_import_paths_to_the_allow_list(tmp_path, monkey
 def test_accuracy_reward_takes_trls_name_and_columns():
     """TRL's `accuracy_reward` (reward_funcs: [accuracy_reward] in a TRL config): the last \\boxed{} or
     final number against the `solution` column (TRL's) or `answer`; None where the gold has no answer."""
-    from trainer.rewards import load_reward_function
+    from trainer.rewards.functions import load_reward_function
 
     reward = load_reward_function("accuracy_reward")
     chat = [[{"role": "assistant", "content": r"So \boxed{\frac{1}{3}}"}], [{"role": "assistant", "content": r"\boxed{ \frac{1}{2} }"}]]
@@ -130,9 +130,9 @@ def test_accuracy_reward_takes_trls_name_and_columns():
 
 def test_soft_overlong_punishment_is_dapos_length_budget():
     """TRL's get_soft_overlong_punishment under a built-in name: 0 up to max − cache tokens, linear to −1 at max."""
-    from trainer.config import ConfigError
-    from trainer.reward_specs import check_reward_spec
-    from trainer.rewards import load_reward_function
+    from trainer.errors import ConfigError
+    from trainer.rewards.functions import load_reward_function
+    from trainer.rewards.specs import check_reward_spec
 
     reward = load_reward_function("soft_overlong_punishment:100:20")
     ids = [[7] * n for n in (0, 50, 80, 90, 95, 100, 130)]
@@ -146,7 +146,7 @@ def test_soft_overlong_punishment_is_dapos_length_budget():
 
 def test_repeated_reward_names_get_a_suffix():
     """Two `regex:` rewards (or two reward models) log under distinct names, not over each other."""
-    from trainer.rewards import load_reward_function, reward_names
+    from trainer.rewards.functions import load_reward_function, reward_names
 
     funcs = [load_reward_function(s) for s in ("regex:a", "exact_answer", "regex:b", "regex:c")]
     assert reward_names(funcs) == ["regex", "exact_answer", "regex_2", "regex_3"]

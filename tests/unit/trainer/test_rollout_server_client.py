@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import distributed
-from trainer.config import ConfigError
-from trainer.launch import free_port
+from trainer.engine import distributed
+from trainer.engine.launch import free_port
+from trainer.errors import ConfigError, RolloutServerError
 from trainer.rollout import SamplingConfig
-from trainer.rollout.server_client import RolloutServerError, VLLMServerEngine, server_url
+from trainer.rollout.server_client import VLLMServerEngine, server_url
 
 NAMES = ["model.embed_tokens.weight", "lm_head.weight"]
 

@@ -2,9 +2,10 @@
 
 import torch
 
-from trainer.data import load_rows, tokenize_sft
-from trainer.models import load_causal_lm, load_tokenizer
-from trainer.sft import collate, token_loss
+from trainer.data.formatting import tokenize_sft
+from trainer.data.sources import load_rows
+from trainer.engine.models import load_causal_lm, load_tokenizer
+from trainer.stages.sft import collate, token_loss
 
 
 def test_packed_rows_do_not_attend_across_examples(tiny_model):

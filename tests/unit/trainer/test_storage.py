@@ -1,10 +1,10 @@
-"""trainer.storage on fsspec's in-memory filesystem (the S3 paths are tested against SeaweedFS in
+"""trainer.io.storage on fsspec's in-memory filesystem (the S3 paths are tested against SeaweedFS in
 tests/e2e)."""
 
 import fsspec
 import pytest
 
-from trainer import storage
+from trainer.io import storage
 
 
 def test_ranks_on_one_node_fetch_into_their_own_folders(tmp_path, monkeypatch):

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import forward_logprobs, perturb
-from trainer.completions import build_batch, token_logps
-from trainer.evaluate import mean_kl
-from trainer.logprobs import logit_temperature
-from trainer.models import load_causal_lm
-from trainer.ppo import PolicyWithValue, make_value_head, policy_forward
+from trainer.algorithms.logprobs import logit_temperature
+from trainer.engine.completions import build_batch, token_logps
+from trainer.engine.models import load_causal_lm
 from trainer.rollout import SamplingConfig
 from trainer.rollout.hf import HFEngine
+from trainer.stages.evaluate import mean_kl
+from trainer.stages.rl.ppo import PolicyWithValue, make_value_head, policy_forward
 
 T = 0.5
 G = 4

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from tests.helpers import SerialSFT
-from trainer import token_cache
-from trainer.data import DataError, load_rows, pack_best_fit, tokenize_sft
-from trainer.sft import collate
+from trainer.data import token_cache
+from trainer.data.formatting import pack_best_fit, tokenize_sft
+from trainer.data.sources import load_rows
+from trainer.errors import DataError
+from trainer.stages.sft import collate
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_second_call_reads_the_cache(tokenizer, cache, caplog):
     first = tokenize_sft(rows, tokenizer, "d", 128, "keep_start")
     entries = list(cache.iterdir())
     assert len(entries) == 1 and (entries[0] / token_cache.META_FILE).exists()
-    with caplog.at_level(logging.INFO, logger="trainer.token_cache"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.token_cache"):
         again = tokenize_sft(rows.map(lambda r: r), tokenizer, "d", 128, "keep_start")  # same rows, new object
     assert f"tokenized data from cache {entries[0]}" in caplog.text
     assert list(again.input_ids) == list(first.input_ids)
@@ -106,7 +108,7 @@ def test_a_corrupt_or_partial_entry_is_rebuilt(tokenizer, cache, caplog, damage)
         meta.unlink()
     else:
         meta.write_text(json.dumps({**json.loads(meta.read_text()), "rows": 31}))
-    with caplog.at_level(logging.INFO, logger="trainer.token_cache"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.token_cache"):
         again = tokenize_sft(rows, tokenizer, "d", 128, "keep_start")
     assert "incomplete or corrupt" in caplog.text and "from cache" not in caplog.text
     assert (list(again.input_ids), list(again.loss_mask)) == expected
@@ -130,7 +132,8 @@ RACE = """
 import hashlib, json, logging, os, sys, time
 logging.basicConfig(level=logging.INFO)
 from transformers import AutoTokenizer
-from trainer.data import load_rows, tokenize_sft
+from trainer.data.formatting import tokenize_sft
+from trainer.data.sources import load_rows
 tokenizer, rows = AutoTokenizer.from_pretrained(sys.argv[1]), load_rows("demo:chat")
 # Both processes map at the same moment: each says it is ready (imports take seconds, and longer under load),
 # then waits for the other.

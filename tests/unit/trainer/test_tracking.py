@@ -9,16 +9,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from trainer.config import TrainConfig
-from trainer.tracking import (
+from trainer.config.options import TrainConfig
+from trainer.tracking.provenance import redact_secrets, redact_uri
+from trainer.tracking.tracker import (
     Tracker,
     dataset_inputs,
     flatten_params,
     is_connection_error,
     is_permanent,
     mlflow_key,
-    redact_secrets,
-    redact_uri,
     unreachable_reason,
     use_uri_credentials,
 )
@@ -229,7 +228,7 @@ def test_outage_queues_calls_and_sends_them_when_the_server_is_back(sqlite_uri, 
     tracker = Tracker(_config(sqlite_uri, mlflow_experiment="unit"), stage="grpo")
     tracker.retry_min_s = tracker.retry_max_s = 0.0  # retry on every call (real runs pause 5-60 s)
     outage = Outage(tracker)
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         for step in range(10):
             outage.down = 3 <= step < 7
             tracker.log_metrics({"reward": float(step)}, step=step)
@@ -242,7 +241,7 @@ def test_outage_queues_calls_and_sends_them_when_the_server_is_back(sqlite_uri, 
         # Before the end: everything is on the server, in order, once.
         assert _steps(client, tracker.run_id, "reward") == [(s, float(s)) for s in range(10)]
         tracker.finish()
-    messages = [r.getMessage() for r in caplog.records if r.name == "trainer.tracking"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "trainer.tracking.tracker"]
     assert len(messages) == 2, messages
     assert "unavailable" in messages[0] and "queued" in messages[0] and "metrics.jsonl" in messages[0]
     assert "is back" in messages[1]
@@ -273,7 +272,7 @@ def test_still_down_at_the_end_gives_up_with_one_warning(sqlite_uri, client, cap
     outage = Outage(tracker)
     outage.down = True
     tracker.log_metrics({"loss": 1.0}, step=1)
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         tracker.finish()
     assert "stays incomplete" in caplog.records[-1].getMessage()
     assert client.get_run(tracker.run_id).info.status == "RUNNING"  # the pipeline's finish task ends it
@@ -293,7 +292,7 @@ def test_refused_call_is_dropped_and_backfilled(sqlite_uri, client, caplog):
         return real(*args, **kwargs)
 
     tracker._client.log_batch = refuse_once
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         for step in range(3):
             tracker.log_metrics({"kl": 0.1 * step}, step=step)
     assert tracker.active and "refused logging metrics" in caplog.text
@@ -344,7 +343,7 @@ def test_resuming_a_dead_run_marks_the_attempt_killed_and_backfills(sqlite_uri, 
         first.log_metrics({"reward": float(step)}, step=step)
     # The process dies here: no finish(), the run stays RUNNING. Its checkpoint's metrics.jsonl
     # holds steps 1-5 (4 and 5 never reached MLflow).
-    with caplog.at_level(logging.WARNING, logger="trainer.tracking"):
+    with caplog.at_level(logging.WARNING, logger="trainer.tracking.tracker"):
         second = Tracker(_config(sqlite_uri, mlflow_experiment="unit"), stage="grpo", run_id=first.run_id)
     assert "still RUNNING" in caplog.text
     second.history[:] = [{"step": s, "reward": float(s)} for s in range(1, 6)]
@@ -377,8 +376,8 @@ def test_system_metrics(sqlite_uri, client, monkeypatch):
 def test_container_image_reaches_the_manifest_and_the_run_tags(monkeypatch):
     """A task started in a container (ALIGNFLOW_IMAGE / ALIGNFLOW_IMAGE_DIGEST from the runner) records the
     image in alignflow.json; outside one the keys are absent."""
-    from trainer.checkpoint import build_manifest
-    from trainer.tracking import container_image
+    from trainer.engine.checkpoint import build_manifest
+    from trainer.tracking.provenance import container_image
 
     monkeypatch.delenv("ALIGNFLOW_IMAGE", raising=False)
     monkeypatch.delenv("ALIGNFLOW_IMAGE_DIGEST", raising=False)

@@ -10,15 +10,18 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import CHAT_TEMPLATE, DEMO_DATA, ROOT, without_chat_template, write_jsonl
-from trainer import cli
-from trainer import config as config_module
-from trainer.config import ConfigError, TrainConfig, aliases, config_from_dict, parse_config
-from trainer.data import DataError, load_mixture, load_rows, parse_mixture, read_chat_template, train_rows
-from trainer.dpo import DPOConfig
-from trainer.grpo import GRPOConfig
-from trainer.ppo import PPOConfig
-from trainer.reward import RewardConfig
-from trainer.sft import SFTConfig
+from trainer.cli import main as cli
+from trainer.config import options as config_module
+from trainer.config.mixtures import parse_mixture
+from trainer.config.options import TrainConfig, aliases, config_from_dict, parse_config
+from trainer.data.chat_templates import read_chat_template
+from trainer.data.sources import load_mixture, load_rows, train_rows
+from trainer.errors import ConfigError, DataError
+from trainer.stages.dpo import DPOConfig
+from trainer.stages.reward_model import RewardConfig
+from trainer.stages.rl.grpo import GRPOConfig
+from trainer.stages.rl.ppo import PPOConfig
+from trainer.stages.sft import SFTConfig
 
 STAGES = [SFTConfig, DPOConfig, RewardConfig, GRPOConfig, PPOConfig]
 
@@ -267,7 +270,7 @@ def test_dataset_and_mixture_together_is_an_error():
 
 
 def test_chat_template_path_from_a_file_or_a_tokenizer_folder(tiny_model, tmp_path):
-    from trainer.models import model_and_tokenizer
+    from trainer.engine.models import model_and_tokenizer
 
     base = without_chat_template(tiny_model, tmp_path)
     assert not model_and_tokenizer(SFTConfig(model=str(base), dataset="demo"))[1].chat_template
@@ -338,7 +341,7 @@ def test_a_field_set_twice_under_two_names_is_an_error(values):
 
 
 def test_docs_list_every_trl_name():
-    from trainer.trl_names import KNOWN, TRANSLATED
+    from trainer.config.trl_names import KNOWN, TRANSLATED
 
     doc = (ROOT / "docs" / "trl.md").read_text()
     names = set(KNOWN) | set(TRANSLATED) | {a for cls in STAGES for a in aliases(cls)}

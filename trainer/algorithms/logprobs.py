@@ -1,0 +1,147 @@
+"""Log-probabilities of target tokens: the one place every stage gathers them.
+
+The language-model head is applied only at positions whose next token is a target (completion
+tokens, assistant turns), not to prompts and padding. With vocabularies of 50k-150k tokens the
+head and the softmax dominate small models' cost, so this is where SFT, DPO and GRPO save most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TargetLogits:
+    """Logits at the positions that predict a target token, flattened over the batch."""
+
+    logits: torch.Tensor  # [N, V] where N = number of target tokens in the batch
+    targets: torch.Tensor  # [N] token ids being predicted
+    rows: torch.Tensor  # [N] batch row of each target
+    cols: torch.Tensor  # [N] position of each target token in its row
+    hidden: torch.Tensor | None = None  # [N, H] last hidden state at the predicting positions (`with_hidden`)
+
+
+def _causal_lm_parts(model):
+    """(decoder, lm_head) of a causal LM, through a PEFT wrapper; None when the head is not a plain linear map."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = lm.config
+    # Models that post-process logits (soft-capping, scaling) need the full forward.
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    decoder = getattr(lm, getattr(lm, "base_model_prefix", "model"), None)
+    head = lm.get_output_embeddings()
+    if decoder is None or head is None or decoder is lm:
+        return None
+    return decoder, head
+
+
+def target_positions(target_mask: torch.Tensor, sources: torch.Tensor | None = None):
+    """(rows, cols, predictor cols) of the targets in `target_mask` [B, T]; each [N].
+
+    A target at column t is predicted by the hidden state at `sources[row, t]`, by default t - 1
+    (so column 0 can never be a target without `sources`).
+    """
+    mask = target_mask.bool().clone()
+    if sources is None:
+        mask[:, 0] = False
+    rows, cols = mask.nonzero(as_tuple=True)
+    return rows, cols, cols - 1 if sources is None else sources[rows, cols]
+
+
+def target_logits(model, input_ids: torch.Tensor, target_mask: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  sources: torch.Tensor | None = None, model_kwargs: dict | None = None,
+                  with_hidden: bool = False) -> TargetLogits:
+    """Logits for every token marked in `target_mask` [B, T], predicted from the token before it
+    (or from the column `sources` [B, T] names, see `trainer.engine.attention.share_prompts`).
+    `with_hidden` also returns the last hidden states there (PPO's value head reads them).
+
+    Packed rows pass `position_ids` (restarting at 0 per example) and no attention mask;
+    transformers then builds a block-diagonal causal mask. A 4D `attention_mask` is used as given.
+    `model_kwargs` reach the attention functions (`trainer.engine.attention.SharedPrompts.model_kwargs`).
+    """
+    if isinstance(model, TargetLM) or isinstance(getattr(model, "module", None), TargetLM):
+        # Prepared by accelerate (DDP, DeepSpeed): through the wrapper's forward, where its hooks live.
+        return model(input_ids=input_ids, target_mask=target_mask, attention_mask=attention_mask,
+                     position_ids=position_ids, sources=sources, model_kwargs=model_kwargs)
+    rows, cols, src = target_positions(target_mask, sources)
+    parts = _causal_lm_parts(model)
+    if parts is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    output_hidden_states=with_hidden, **(model_kwargs or {}))
+        logits = out.logits[rows, src]
+        hidden = out.hidden_states[-1][rows, src] if with_hidden else None
+    else:
+        decoder, head = parts
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, **(model_kwargs or {})).last_hidden_state[rows, src]  # [N, H]
+        logits = head(hidden)  # [N, V]
+        hidden = hidden if with_hidden else None
+    return TargetLogits(logits=logits, targets=input_ids[rows, cols], rows=rows, cols=cols, hidden=hidden)
+
+
+
+class TargetLM(torch.nn.Module):
+    """A causal LM whose forward is `target_logits`: the module a stage hands to `accelerate.prepare`.
+
+    DDP arms its gradient all-reduce in its own `forward`, and DeepSpeed ZeRO-3 gathers sharded
+    parameters in hooks rooted at the engine's `forward`; `target_logits` runs the decoder and the
+    head separately (the head only at target positions), which would bypass both. Wrapped as the
+    prepared module's forward, it keeps both the hooks and the saving. `lm` is the model itself.
+    """
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config  # accelerate sizes DeepSpeed's "auto" buckets from it
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.dtype
+
+    def forward(self, input_ids: torch.Tensor, target_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, sources: torch.Tensor | None = None,
+                model_kwargs: dict | None = None) -> TargetLogits:
+        return target_logits(self.lm, input_ids, target_mask, attention_mask, position_ids, sources, model_kwargs)
+
+def logit_temperature(sampling_temperature: float) -> float:
+    """The temperature a trainer divides its logits by for completions sampled at `sampling_temperature`.
+
+    RL stages score completions under the distribution they were drawn from, softmax(logits / T), as
+    TRL does (GRPO: `logits / self.temperature`; PPO: `logits /= temperature + 1e-7`, for the policy and
+    the reference, never the critic's values), so that the first iteration's importance ratio against
+    the engine's sampling log-probs is 1 (`trainer/rollout/base.py`). Greedy rollouts (T = 0) have no
+    sampling distribution; they are scored under the plain softmax, as the engines report them (TRL's
+    1e-7 would give every greedy token log-prob 0 and every KL 0 or infinity).
+    """
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
+def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] per row without materialising the full log-softmax.
+    [N, V], [N] -> [N]"""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of each row's softmax(logits / temperature). [N, V] -> [N]"""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def sequence_sums(values: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Sum per-target values into their batch rows. [N] -> [B]"""
+    return torch.zeros(num_rows, dtype=values.dtype, device=values.device).index_add(0, rows, values)
+
+
+def to_padded(values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Scatter per-target values back into a [B, T] tensor (zeros elsewhere)."""
+    out = torch.zeros(shape, dtype=values.dtype, device=values.device)
+    return out.index_put((rows, cols), values)
