@@ -2,7 +2,7 @@
 that runs the stage's own entry point under `accelerate launch` with DeepSpeed, submitted and
 followed from the KFP task.
 
-`launcher.train_stage` comes here when a stage's pipeline config says `nodes: N` with N > 1:
+`runtime.train_stage` comes here when a stage's pipeline config says `nodes: N` with N > 1:
 
 1. **Config.** The multi-node keys (`MultiNode`) are split off; the rest is the stage config, checked
    as the single-node path checks it, and handed to the pods as JSON in ALIGNFLOW_STAGE_CONFIG (an
@@ -12,7 +12,7 @@ followed from the KFP task.
    (KFP's own path -> URI mapping; minio:// is read as s3://, the endpoint being AWS_ENDPOINT_URL).
    Each node copies the inputs to its disk once before its ranks start (`prepare-config`): N ranks
    fetching one URI into one cache folder would overwrite each other's files. The stage writes its
-   checkpoints and final model to the task's checkpoint prefix (`launcher.checkpoint_uri`: keyed by the
+   checkpoints and final model to the task's checkpoint prefix (`runtime.checkpoint_uri`: keyed by the
    pipeline run and the task, the same for every attempt, never the attempt's own output URI), with
    `resume_from_checkpoint auto`, so a retried task's job resumes from the newest checkpoint; after the
    job succeeds the task downloads the final model, only when `alignflow.complete` is there, into the
@@ -36,12 +36,12 @@ followed from the KFP task.
    deletes the job when it succeeds or when the task is stopped (KFP cancels a task with SIGTERM).
 
 Resources: each node asks for `gpus_per_node` GPUs (+1 for a rollout server without a sidecar), CPUs
-and memory per GPU as `components.kubernetes.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
-/dev/shm, the S3 / MLflow Secrets of `components.kubernetes.SECRET_ENV` and the Hub token's
+and memory per GPU as `components.settings.TRAINING` gives a one-GPU task, its tolerations, a memory-backed
+/dev/shm, the S3 / MLflow Secrets of `components.settings.SECRET_ENV` and the Hub token's
 (`HUB_SECRET_ENV`).
 
 Security: the pods run as the trainer image's non-root user with the RuntimeDefault seccomp profile,
-no privilege escalation and no capabilities (`components.kubernetes.POD_SECURITY_CONTEXT`), carry
+no privilege escalation and no capabilities (`components.settings.POD_SECURITY_CONTEXT`), carry
 the label that admits them to MLflow (`MLFLOW_CLIENT_LABEL`), and run as `service_account` when it is
 set. They never call the Kubernetes API (the task that submits the job does). A PyTorchJob's pods get
 no ServiceAccount token (`automountServiceAccountToken: false`); a TrainJob's runtime patch cannot
@@ -66,7 +66,7 @@ from typing import Any, ClassVar
 
 from components.images import TRAINER_IMAGE
 from components.kubejob import KINDS, submit_and_wait
-from components.kubernetes import (
+from components.settings import (
     CONTAINER_SECURITY_CONTEXT,
     HUB_SECRET_ENV,
     MLFLOW_CLIENT_LABEL,

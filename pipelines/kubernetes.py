@@ -6,7 +6,7 @@ token) from Kubernetes Secrets, the image pull Secret of a private registry, the
 pod's labels, the label that admits the pod to MLflow through the chart's NetworkPolicy, a non-root
 user, retries with backoff, and caching. `kfp.kubernetes` settings are ignored by kfp.local but compile into the
 YAML that the KFP UI runs. The values themselves (Secrets, default resources) live in
-`components/kubernetes.py`, because the multi-node launcher needs them at run time too.
+`components/settings.py`, because the multi-node launcher needs them at run time too.
 
 Security context: kfp-kubernetes sets only runAsUser / runAsGroup / runAsNonRoot on a task's
 container (`set_security_context`); its documentation says the KFP backend applies
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from kfp import kubernetes
 
-from components.kubernetes import (
+from components.settings import (
     HUB_SECRET_ENV,
     LIGHT,
     MLFLOW_CLIENT_LABEL,

@@ -17,13 +17,13 @@ reward functions). Per-stage options travel as one dict per stage, over the type
 Caching: a training task's inputs are its model and data artifacts, its config dict and knobs,
 and the fingerprint of its data (from check-inputs); nothing made fresh by every run. Tasks find
 the MLflow parent run and their checkpoint prefix from the run id in their environment
-(components/kubernetes.py), which KFP leaves out of the cache key. The pipeline only composes:
+(components/settings.py), which KFP leaves out of the cache key. The pipeline only composes:
 Kubernetes settings come from `pipelines.kubernetes`.
 """
 
 from kfp import dsl
 
-from components import stages
+from components import definitions as stages
 from pipelines.kubernetes import LIGHT, TRAINING, Resources, apply
 
 PIPELINE_NAME = "alignflow-post-training"

@@ -158,8 +158,8 @@ def _check_tracking() -> None:
 
 
 def train_resources(config: PipelineConfig | None):
-    """What a training task's pod asks for: `components.kubernetes.TRAINING` with the config's `cluster.train`."""
-    from components.kubernetes import TRAINING
+    """What a training task's pod asks for: `components.settings.TRAINING` with the config's `cluster.train`."""
+    from components.settings import TRAINING
 
     cluster = (config.cluster if config else None) or {}
     try:
@@ -208,7 +208,7 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
 
     from kfp import local
 
-    from components.kubernetes import RUN_ID_ENV
+    from components.settings import RUN_ID_ENV
     from pipelines.console import task_console
 
     output_path = Path(output).resolve()
@@ -236,7 +236,7 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
     os.environ[RUN_ID_ENV] = uuid.uuid4().hex
     arguments = config.arguments()
     if image:
-        from components.stages import image as stages_image
+        from components.definitions import image as stages_image
 
         arguments = containers.stage_inputs(arguments, local_root)
         runner, on_image = containers.runner(found), stages_image(image)

@@ -314,7 +314,7 @@ def policy(docs, name: str) -> dict:
 
 
 def test_only_labelled_pods_reach_mlflow():
-    from components.kubernetes import MLFLOW_CLIENT_LABEL
+    from components.settings import MLFLOW_CLIENT_LABEL
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["networkPolicy"]["clientLabel"] == MLFLOW_CLIENT_LABEL[0] and MLFLOW_CLIENT_LABEL[1] == "true"
@@ -381,7 +381,7 @@ def test_no_pod_of_the_chart_gets_an_api_token(name):
 
 
 def test_every_pipeline_task_carries_the_mlflow_label_and_runs_as_non_root(tmp_path, monkeypatch):
-    from components.kubernetes import MLFLOW_CLIENT_LABEL, RUN_AS_USER
+    from components.settings import MLFLOW_CLIENT_LABEL, RUN_AS_USER
     from pipelines.run import compile_pipeline
 
     _, platform = yaml.safe_load_all(Path(compile_pipeline(str(tmp_path / "p.yaml"))).read_text())

@@ -65,7 +65,7 @@ def test_layers_point_down_and_only_the_rollout_package_imports_vllm():
 
 @pytest.mark.parametrize(("rel", "source", "expected"), [
     ("trainer/x.py", "def f():\n    from pipelines import run\n", "trainer/x.py:2 imports pipelines"),
-    ("trainer/x.py", "import components.launcher\n", "trainer/x.py:1 imports components"),
+    ("trainer/x.py", "import components.runtime\n", "trainer/x.py:1 imports components"),
     ("trainer/x.py", "import importlib\nimportlib.import_module('kfp.dsl')\n", "trainer/x.py:2 imports kfp"),
     ("components/x.py", "class A:\n    def f(self):\n        import pipelines.kubernetes\n",
      "components/x.py:3 imports pipelines"),

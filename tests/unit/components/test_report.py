@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from components import launcher, report
+from components import report, runtime
 from trainer.engine.completions import chat_text, completions_table, flat_sample, sample_rows
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -94,16 +94,16 @@ def test_chart_of_a_constant_series_has_a_range():
 def test_mlflow_url_leaves_credentials_out(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://user:secret@mlflow.ns:5000/")
     client = SimpleNamespace(get_run=lambda run_id: SimpleNamespace(info=SimpleNamespace(experiment_id="4")))
-    monkeypatch.setattr(launcher, "_client", lambda: client)
-    assert launcher.mlflow_run_url("r1") == "http://mlflow.ns:5000/#/experiments/4/runs/r1"
+    monkeypatch.setattr(runtime, "_client", lambda: client)
+    assert runtime.mlflow_run_url("r1") == "http://mlflow.ns:5000/#/experiments/4/runs/r1"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
-    assert launcher.mlflow_run_url("r1") == ""  # no UI to link to
+    assert runtime.mlflow_run_url("r1") == ""  # no UI to link to
 
 
 def test_evaluate_report_shows_samples_with_reward_columns(tmp_path):
     # As trainer.stages.evaluate writes it: the weighted reward before the per-function ones.
     (tmp_path / "samples.jsonl").write_text(json.dumps({"prompt": CHAT, "completion": "4", "reward": 1.0,
                                                        "rewards": {"accuracy": 1.0}}) + "\n")
-    page = report.render(launcher.evaluate_report({"reward": 1.0}, str(tmp_path), False, "no champion yet", ""))
+    page = report.render(runtime.evaluate_report({"reward": 1.0}, str(tmp_path), False, "no champion yet", ""))
     assert "Gate not passed" in page
     assert re.findall(r"<th>([^<]+)</th>", page)[:4] == ["prompt", "completion", "rewards/accuracy", "reward"]

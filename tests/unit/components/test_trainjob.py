@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from components import kubejob, trainjob
+from components import kubejob, runtime, trainjob
 from components.images import TRAINER_IMAGE
-from components.kubernetes import HUB_SECRET_ENV, SECRET_ENV
-from components.launcher import checkpoint_uri as launcher_checkpoint_uri  # the tests patch launcher's
+from components.runtime import checkpoint_uri as runtime_checkpoint_uri  # the tests patch runtime's
+from components.settings import HUB_SECRET_ENV, SECRET_ENV
 from pipelines import run as pipeline_run
 from tests.helpers import ROOT
 from trainer.errors import ConfigError
@@ -541,7 +541,7 @@ class FakeStore:
             fh.write(text)
 
 
-def train_two_nodes(launcher, monkeypatch, tmp_path, attempt: str):
+def train_two_nodes(runtime, monkeypatch, tmp_path, attempt: str):
     """One attempt of a cluster task training GRPO on two nodes. KFP gives each attempt its own output URI
     (`.../<task>/<attempt>/model`, seen in the pod as the /s3/ path) and a local folder the task writes it to."""
     kfp_path = f"/s3/bucket/pipe/run-1/grpo-task/{attempt}/model"
@@ -549,8 +549,8 @@ def train_two_nodes(launcher, monkeypatch, tmp_path, attempt: str):
     metrics = SimpleNamespace(logged={}, path=str(tmp_path / attempt / "metrics"))
     metrics.log_metric = lambda k, v: metrics.logged.__setitem__(k, v)
     # The launcher keys checkpoints by the output's task path: give it the one KFP would, not the local stand-in.
-    monkeypatch.setattr(launcher, "checkpoint_uri", lambda path, real=launcher_checkpoint_uri: real(kfp_path))
-    launcher.train_stage(
+    monkeypatch.setattr(runtime, "checkpoint_uri", lambda path, real=runtime_checkpoint_uri: real(kfp_path))
+    runtime.train_stage(
         "grpo",
         {"nodes": 2.0, "num_generations": 4},
         model_in="/s3/bucket/pipe/run-1/sft-task/a/model",
@@ -571,8 +571,7 @@ def finish_job(store, stage: dict) -> None:
 
 def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
     """train_stage with nodes: 2 renders a job for the artifacts' URIs, waits, downloads the model it trained."""
-    from components import launcher
-    from components.kubernetes import RUN_ID_ENV
+    from components.settings import RUN_ID_ENV
 
     store, submitted = FakeStore(monkeypatch), []
 
@@ -582,8 +581,8 @@ def test_launcher_sends_a_multi_node_stage_to_the_job(tmp_path, monkeypatch):
 
     monkeypatch.setenv(RUN_ID_ENV, "run-1")
     monkeypatch.setattr(trainjob, "submit_and_wait", fake_wait)
-    monkeypatch.setattr(launcher, "parent_run_id", lambda: "parent123")  # found by the run-id tag
-    out, metrics = train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-1")
+    monkeypatch.setattr(runtime, "parent_run_id", lambda: "parent123")  # found by the run-id tag
+    out, metrics = train_two_nodes(runtime, monkeypatch, tmp_path, "attempt-1")
     (stage,) = submitted
     assert stage["model"] == "memory://bucket/pipe/run-1/sft-task/a/model"
     assert stage["dataset"] == "memory://bucket/data/math.jsonl"
@@ -598,8 +597,7 @@ def test_a_retried_multi_node_task_resumes_from_the_checkpoints_of_the_failed_at
     """Attempt 1's job writes checkpoint-3 and fails (a node was preempted). KFP retries the task with a new output
     URI; attempt 2's job gets the same `output_dir`, where the trainer's `auto` finds checkpoint-3. An attempt that
     starts after the job finished but before the task did (its download failed) submits no job at all."""
-    from components import launcher
-    from components.kubernetes import RUN_ID_ENV
+    from components.settings import RUN_ID_ENV
     from trainer.engine import checkpoint as ckpt
 
     store, submitted = FakeStore(monkeypatch), []
@@ -617,15 +615,15 @@ def test_a_retried_multi_node_task_resumes_from_the_checkpoints_of_the_failed_at
 
     monkeypatch.setenv(RUN_ID_ENV, "run-1")
     monkeypatch.setattr(trainjob, "submit_and_wait", preempted_then_finished)
-    monkeypatch.setattr(launcher, "parent_run_id", lambda: "")
+    monkeypatch.setattr(runtime, "parent_run_id", lambda: "")
     with pytest.raises(RuntimeError, match="preempted"):
-        train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-1")
+        train_two_nodes(runtime, monkeypatch, tmp_path, "attempt-1")
     download = trainjob.download_complete
     monkeypatch.setattr(trainjob, "download_complete", lambda *a: (_ for _ in ()).throw(OSError("store hiccup")))
     with pytest.raises(OSError, match="store hiccup"):
-        train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-2")
+        train_two_nodes(runtime, monkeypatch, tmp_path, "attempt-2")
     monkeypatch.setattr(trainjob, "download_complete", download)
-    out, metrics = train_two_nodes(launcher, monkeypatch, tmp_path, "attempt-3")
+    out, metrics = train_two_nodes(runtime, monkeypatch, tmp_path, "attempt-3")
 
     assert len(submitted) == 2 and submitted[0]["output_dir"] == submitted[1]["output_dir"]
     assert "attempt" not in submitted[0]["output_dir"]
@@ -674,7 +672,7 @@ def test_launcher_path_does_not_import_kfp_kubernetes():
     import subprocess
     import sys
 
-    code = "import sys, components.launcher, components.trainjob; print('kfp.kubernetes' in sys.modules)"
+    code = "import sys, components.runtime, components.trainjob; print('kfp.kubernetes' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -94,7 +94,7 @@ def test_image_option_needs_containers(tmp_path):
 
 
 def test_component_image_switch_is_restored():
-    from components import stages
+    from components import definitions as stages
     from components.images import TRAINER_IMAGE
 
     with stages.image("reg.example/trainer:1-cpu"):

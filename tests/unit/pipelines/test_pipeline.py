@@ -127,7 +127,7 @@ def test_bad_configs_fail_before_any_task(tiny_model, override, message):
 def test_the_reward_model_joins_the_rl_rewards_with_its_weight(stage):
     """`reward_model_weight` is the pipeline's key (accepted in the section, never passed to the stage); the
     reward-model task's output goes after the section's reward functions, or after the stage's default ones."""
-    from components import inputs, launcher
+    from components import inputs, runtime
     from trainer.stages import stage_parts
 
     config_cls, _ = stage_parts(stage)
@@ -136,10 +136,10 @@ def test_the_reward_model_joins_the_rl_rewards_with_its_weight(stage):
     inputs.check_parameters(stage, {stage: section}, {}, {}, "m")
     weight, rest = inputs.split_reward_model_weight(stage, section)
     assert (weight, "reward_model_weight" in rest) == (0.5, False)
-    joined = launcher.with_reward_model(config_cls, rest, "/rm", weight)
+    joined = runtime.with_reward_model(config_cls, rest, "/rm", weight)
     assert joined["reward_funcs"] == ["exact_answer", "answer_format", "/rm"]
     assert joined["reward_weights"] == [1.0, 0.2, 0.5]
-    assert launcher.with_reward_model(config_cls, {}, "/rm", 1.0) == {"reward_funcs": ["exact_answer", "/rm"]}
+    assert runtime.with_reward_model(config_cls, {}, "/rm", 1.0) == {"reward_funcs": ["exact_answer", "/rm"]}
 
 
 def test_unknown_pipeline_option_suggests_the_closest():
@@ -291,7 +291,7 @@ def test_training_cache_keys_are_stable_and_take_nothing_made_per_run(tmp_path):
 
 
 def test_every_task_gets_the_run_id_from_the_pod_label_not_an_input(default_yaml):
-    from components.kubernetes import RUN_ID_ENV
+    from components.settings import RUN_ID_ENV
 
     spec, platform = yaml.safe_load_all(default_yaml)
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
@@ -358,7 +358,7 @@ def test_fingerprint_follows_the_data_not_the_uri(tmp_path):
      {"ALIGNFLOW_PIPELINE_ROOT": "s3://b/pipelines"}, "s3://b/pipelines/alignflow-post-training-2026/checkpoints/reward-model"),
 ])
 def test_checkpoints_go_under_the_run_and_task_not_the_attempt(monkeypatch, path, env, expected):
-    from components.launcher import checkpoint_uri
+    from components.runtime import checkpoint_uri
 
     monkeypatch.delenv("ALIGNFLOW_PIPELINE_ROOT", raising=False)
     for key, value in env.items():

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from components import report
-from components.kubernetes import RUN_ID_ENV
+from components.settings import RUN_ID_ENV
 from trainer.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
 from trainer.io import storage
 
@@ -352,7 +352,7 @@ def find_pipeline_run() -> str:
     there is none, no reachable MLflow, or no run id (outside a pipeline run).
 
     Tasks find the parent themselves rather than taking its id as an input: an input made fresh by
-    every run would enter every cache key (components/kubernetes.py says where the run id comes from)."""
+    every run would enter every cache key (components/settings.py says where the run id comes from)."""
     client = _client()
     try:
         runs = _pipeline_runs(client) if client else []

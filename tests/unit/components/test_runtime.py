@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from components import launcher
+from components import runtime
 from trainer.config.options import TrainConfig
 from trainer.engine import checkpoint as ckpt
 from trainer.tracking.tracker import Tracker
@@ -46,37 +46,37 @@ def _stage_tracker(uri: str, parent: str, stage: str) -> Tracker:
 
 def test_start_is_idempotent_and_findable_by_the_run_id(client, monkeypatch):
     run = _in_run(monkeypatch)
-    first = launcher.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"})
-    assert first and launcher.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"}) == first
-    assert launcher.find_pipeline_run() == first and launcher.parent_run_id() == first
+    first = runtime.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"})
+    assert first and runtime.start_pipeline_run("post-training", "nightly", {"base_model": "tiny"}) == first
+    assert runtime.find_pipeline_run() == first and runtime.parent_run_id() == first
     assert client.get_run(first).info.status == "RUNNING"
     assert client.get_run(first).data.tags["alignflow.pipeline_run_id"] == run
     # Another run with the same display name (KFP does not make names unique) gets its own parent.
     _in_run(monkeypatch)
-    assert launcher.find_pipeline_run() == ""
-    second = launcher.start_pipeline_run("post-training", "nightly", {})
+    assert runtime.find_pipeline_run() == ""
+    second = runtime.start_pipeline_run("post-training", "nightly", {})
     assert second and second != first
     monkeypatch.delenv("ALIGNFLOW_PIPELINE_RUN_ID")
-    assert launcher.find_pipeline_run() == "" and launcher.parent_run_id() == ""  # outside a pipeline run
+    assert runtime.find_pipeline_run() == "" and runtime.parent_run_id() == ""  # outside a pipeline run
 
 
 def test_a_stage_opens_the_parent_when_start_run_could_not(client, monkeypatch):
     _in_run(monkeypatch)
-    parent = launcher.parent_run_id()  # what train_stage calls
-    assert parent and launcher.parent_run_id() == parent
+    parent = runtime.parent_run_id()  # what train_stage calls
+    assert parent and runtime.parent_run_id() == parent
     assert client.get_run(parent).data.tags["alignflow.stage"] == "pipeline"
 
 
 def test_finish_kills_children_left_running(uri, client, caplog, monkeypatch):
     run = _in_run(monkeypatch)
-    parent = launcher.start_pipeline_run("post-training", run, {})
+    parent = runtime.start_pipeline_run("post-training", run, {})
     done = _stage_tracker(uri, parent, "sft")
     done.log_metrics({"loss": 1.0}, step=1)
     done.finish()
     dead = _stage_tracker(uri, parent, "dpo")  # its process "died": never finished
     dead.log_metrics({"loss": 1.0}, step=1)
 
-    launcher.finish_pipeline_run(run)
+    runtime.finish_pipeline_run(run)
     assert client.get_run(done.run_id).info.status == "FINISHED"
     killed = client.get_run(dead.run_id)
     assert killed.info.status == "KILLED" and "finish-run" in killed.data.tags["alignflow.ended_by"]
@@ -86,23 +86,23 @@ def test_finish_kills_children_left_running(uri, client, caplog, monkeypatch):
 
 def test_finish_follows_the_pipeline_state_and_retried_stages(uri, client, monkeypatch):
     run = _in_run(monkeypatch)
-    parent = launcher.start_pipeline_run("post-training", run, {})
+    parent = runtime.start_pipeline_run("post-training", run, {})
     failed = _stage_tracker(uri, parent, "sft")
     failed.finish("FAILED")
     retried = _stage_tracker(uri, parent, "sft")  # the retry started a new run, which finished
     retried.finish()
-    launcher.finish_pipeline_run(run)
+    runtime.finish_pipeline_run(run)
     assert client.get_run(parent).info.status == "FINISHED"
 
     cancelled = _in_run(monkeypatch)
-    other = launcher.start_pipeline_run("post-training", cancelled, {})
-    launcher.finish_pipeline_run(cancelled, pipeline_state="CANCELED")
+    other = runtime.start_pipeline_run("post-training", cancelled, {})
+    runtime.finish_pipeline_run(cancelled, pipeline_state="CANCELED")
     assert client.get_run(other).info.status == "KILLED"
 
 
 def test_promote_run_sits_under_the_pipeline_run(client, tmp_path, monkeypatch):
     run = _in_run(monkeypatch)
-    parent = launcher.start_pipeline_run("post-training", run, {})
+    parent = runtime.start_pipeline_run("post-training", run, {})
     model = tmp_path / "policy"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -113,7 +113,7 @@ def test_promote_run_sits_under_the_pipeline_run(client, tmp_path, monkeypatch):
     (results / "metrics.json").write_text(json.dumps({"reward": 0.4}))
     name = f"policy-{uuid.uuid4().hex[:6]}"
 
-    version = launcher.promote_stage(model_in=str(model), results=str(results), model_name=name, gate_metric="reward",
+    version = runtime.promote_stage(model_in=str(model), results=str(results), model_name=name, gate_metric="reward",
                                      min_improvement=0.0, pipeline_run=run,
                                      report_out=SimpleNamespace(path=str(tmp_path / "report.html")))
     promote_run = client.get_run(client.get_model_version(name, version).run_id)
@@ -127,7 +127,7 @@ def test_the_pipeline_run_tasks_start_without_torch():
     import subprocess
     import sys
 
-    code = "import sys; from components.launcher import start_pipeline_run, finish_pipeline_run; print('torch' in sys.modules)"
+    code = "import sys; from components.runtime import start_pipeline_run, finish_pipeline_run; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -140,8 +140,8 @@ def test_ranks_stopped_by_a_signal_end_the_task_with_the_preemption_code(tmp_pat
     config = TrainConfig(model="m", dataset="d", output_dir=str(tmp_path / "out"), num_processes=2)
     monkeypatch.setattr(launch, "launch", lambda stage, argv, config: PREEMPTED_EXIT_CODE)
     with pytest.raises(Preempted) as stopped:
-        launcher.run_ranks("sft", config)
+        runtime.run_ranks("sft", config)
     assert stopped.value.code == PREEMPTED_EXIT_CODE
     monkeypatch.setattr(launch, "launch", lambda stage, argv, config: 1)
     with pytest.raises(RuntimeError, match="exit code 1"):
-        launcher.run_ranks("sft", config)
+        runtime.run_ranks("sft", config)

@@ -3,13 +3,13 @@ check that runs first, and the MLflow parent run's start and finish).
 
 Each is a lightweight Python component on the trainer image with typed artifacts in and out,
 one structured `config` parameter (the stage's options, as in `alignflow train STAGE`), and an
-HTML report for the KFP UI. Bodies only import `components.launcher` and make one call:
+HTML report for the KFP UI. Bodies only import `components.runtime` and make one call:
 KFP copies them into the compiled YAML, and the trainer image has alignflow installed, so
 `install_kfp_package=False` (clusters without internet cannot pip-install kfp at start).
 
 No component takes the MLflow parent run or anything else made fresh by every run: a training
 task's cache key is its inputs (model, data and their fingerprint, config, knobs), its image and
-its command. Tasks find the parent run from the run id in their environment (components/launcher.py).
+its command. Tasks find the parent run from the run id in their environment (components/runtime.py).
 """
 
 import contextlib
@@ -51,7 +51,7 @@ def check_inputs(algorithm: str, sft_config: dict, reward_config: dict, dpo_conf
 @component
 def start_run(pipeline_name: str, pipeline_run: str, params: dict) -> str:
     """Open the pipeline run's MLflow parent run; returns its id ('' without tracking)."""
-    from components.launcher import start_pipeline_run
+    from components.runtime import start_pipeline_run
 
     return start_pipeline_run(pipeline_name, pipeline_run, params)
 
@@ -59,7 +59,7 @@ def start_run(pipeline_name: str, pipeline_run: str, params: dict) -> str:
 @component
 def finish_run(pipeline_run: str):
     """Close the MLflow parent run of this pipeline run (runs as the pipeline's exit handler)."""
-    from components.launcher import finish_pipeline_run
+    from components.runtime import finish_pipeline_run
 
     finish_pipeline_run(pipeline_run)
 
@@ -69,13 +69,13 @@ def sft(base_model: Input[Model], dataset: Input[Dataset], config: dict, skip: b
         learning_rate: float, inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics],
         report: Output[HTML]):
     """Supervised fine-tuning; with skip=True the base model is handed on (already instruction-tuned)."""
-    from components import launcher
+    from components import runtime
 
     if skip:
-        launcher.skip_stage("sft", model_in=base_model.path, model_out=model, metrics_out=metrics,
+        runtime.skip_stage("sft", model_in=base_model.path, model_out=model, metrics_out=metrics,
                             report_out=report, why="skip_sft: the base model is used as the policy")
     else:
-        launcher.train_stage("sft", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
+        runtime.train_stage("sft", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
                              metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
                              knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
@@ -85,13 +85,13 @@ def reward_model(base_model: Input[Model], dataset: Input[Dataset], config: dict
                  learning_rate: float, inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics],
                  report: Output[HTML]):
     """Reward-model training on preference pairs; with skip=True the output is marked empty (rule rewards only)."""
-    from components import launcher
+    from components import runtime
 
     if skip:
-        launcher.skip_stage("reward model", model_in=None, model_out=model, metrics_out=metrics,
+        runtime.skip_stage("reward model", model_in=None, model_out=model, metrics_out=metrics,
                             report_out=report, why="skip_reward_model: rule rewards only")
     else:
-        launcher.train_stage("reward", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
+        runtime.train_stage("reward", config, model_in=base_model.path, dataset=dataset.path, model_out=model,
                              metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
                              knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
@@ -100,9 +100,9 @@ def reward_model(base_model: Input[Model], dataset: Input[Dataset], config: dict
 def dpo(policy: Input[Model], dataset: Input[Dataset], config: dict, max_steps: int, learning_rate: float,
         inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics], report: Output[HTML]):
     """Direct preference optimisation of the policy on preference pairs."""
-    from components import launcher
+    from components import runtime
 
-    launcher.train_stage("dpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
+    runtime.train_stage("dpo", config, model_in=policy.path, dataset=dataset.path, model_out=model,
                          metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
                          knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
@@ -112,9 +112,9 @@ def grpo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Mode
          learning_rate: float, num_generations: int, inputs_fingerprint: str, model: Output[Model],
          metrics: Output[Metrics], report: Output[HTML]):
     """GRPO on prompts; a trained reward model joins the configured reward functions."""
-    from components import launcher
+    from components import runtime
 
-    launcher.train_stage("grpo", config, model_in=policy.path, dataset=dataset.path, reward_model=reward_model.path,
+    runtime.train_stage("grpo", config, model_in=policy.path, dataset=dataset.path, reward_model=reward_model.path,
                          model_out=model, metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
                          knobs={"max_steps": max_steps, "learning_rate": learning_rate,
                                 "num_generations": num_generations})
@@ -125,9 +125,9 @@ def ppo(policy: Input[Model], dataset: Input[Dataset], reward_model: Input[Model
         learning_rate: float, inputs_fingerprint: str, model: Output[Model], metrics: Output[Metrics],
         report: Output[HTML]):
     """PPO on prompts (value head, GAE, KL penalty); a trained reward model joins the configured reward functions."""
-    from components import launcher
+    from components import runtime
 
-    launcher.train_stage("ppo", config, model_in=policy.path, dataset=dataset.path, reward_model=reward_model.path,
+    runtime.train_stage("ppo", config, model_in=policy.path, dataset=dataset.path, reward_model=reward_model.path,
                          model_out=model, metrics_out=metrics, report_out=report, inputs_fingerprint=inputs_fingerprint,
                          knobs={"max_steps": max_steps, "learning_rate": learning_rate})
 
@@ -138,9 +138,9 @@ def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Datas
              metrics: Output[Metrics], report: Output[HTML], results: Output[Dataset]) -> bool:
     """Held-out evaluation (rewards, accuracy, win rate vs @champion, KL to the start); returns whether
     the candidate passes the promotion gate."""
-    from components import launcher
+    from components import runtime
 
-    return launcher.evaluate_stage(config, model_in=policy.path, reference_in=reference.path, dataset=dataset.path,
+    return runtime.evaluate_stage(config, model_in=policy.path, reference_in=reference.path, dataset=dataset.path,
                                    reward_model=reward_model.path, model_name=model_name, gate_metric=gate_metric,
                                    gate_mode=gate_mode, min_improvement=min_improvement, metrics_out=metrics, report_out=report,
                                    results_out=results)
@@ -150,9 +150,9 @@ def evaluate(policy: Input[Model], reference: Input[Model], dataset: Input[Datas
 def promote(policy: Input[Model], results: Input[Dataset], model_name: str, gate_metric: str, gate_mode: str,
             min_improvement: float, pipeline_run: str, report: Output[HTML]) -> str:
     """Register the evaluated model in MLflow and move @champion to it (old one -> @previous-champion)."""
-    from components import launcher
+    from components import runtime
 
-    return launcher.promote_stage(model_in=policy.path, results=results.path, model_name=model_name,
+    return runtime.promote_stage(model_in=policy.path, results=results.path, model_name=model_name,
                                   gate_metric=gate_metric, gate_mode=gate_mode, min_improvement=min_improvement,
                                   pipeline_run=pipeline_run, report_out=report)
 
