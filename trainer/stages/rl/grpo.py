@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -50,15 +49,13 @@ from trainer.algorithms.losses import (
     rloo_advantages,
     rollout_is_weights,
 )
-from trainer.config.options import TrainConfig, option
-from trainer.data.chat_templates import check_messages, is_conversational
-from trainer.data.sources import dataset_label, describe_datasets, load_rows, test_split_rows, train_rows
+from trainer.config.options import option
+from trainer.data.sources import describe_datasets
 from trainer.engine import distributed
 from trainer.engine.completions import (
     RolloutBatch,
     batched_logps,
     build_batch,
-    prompt_token_ids,
     sample_rows,
     token_logps,
     use_block_attention,
@@ -66,16 +63,23 @@ from trainer.engine.completions import (
 from trainer.engine.loop import MetricWindow, keep_freed_memory
 from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
 from trainer.engine.runner import StageRunner
-from trainer.errors import ConfigError, DataError
-from trainer.rewards.functions import load_reward_function, reward_names, score_completions
-from trainer.rollout import SamplingConfig, make_engine
-from trainer.rollout.server_client import on_each_node, server_url
+from trainer.errors import ConfigError
+from trainer.rollout import SamplingConfig
+from trainer.stages.rl.rollouts import (
+    PromptSet,
+    RewardSet,
+    RolloutConfig,
+    evaluate,
+    load_rl_inputs,
+    push_weights,
+    start_engine,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class GRPOConfig(TrainConfig):
+class GRPOConfig(RolloutConfig):
     """Group relative policy optimisation with rule, Python or reward-model rewards."""
 
     learning_rate: float = option(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
@@ -83,24 +87,7 @@ class GRPOConfig(TrainConfig):
                                         aliases=("per_device_train_batch_size",))
     max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
     logging_steps: int = option(1, "Log metrics every this many steps.")
-    reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, accuracy_reward, "
-                                     "answer_format, regex:<pattern>, length:<N>, "
-                                     "soft_overlong_punishment:<max>:<cache>), import paths `pkg.module:fn` with "
-                                     "TRL's signature, or reward models: checkpoint folders, s3:// URIs or hub ids "
-                                     "(org/name, from the local HF cache or downloaded).")
-    reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
-    reward_label: str | None = option(None, "For reward models that are classifiers with several labels (e.g. a "
-                                            "sentiment model): the label whose score is the reward, a name from the "
-                                            "model's config.id2label (e.g. POSITIVE). One-label reward models ignore it.")
-    reward_label_score: Literal["logit", "probability"] = option(
-        "logit", "What `reward_label` scores: its logit, or its softmax probability over the model's labels.")
     num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
-    max_prompt_length: int = option(512, "Longest prompt in tokens (see `truncation_mode`).")
-    max_completion_length: int = option(256, "Most tokens generated per completion.")
-    temperature: float = option(1.0, "Sampling temperature T. The trainer's log-probs, entropy and KL are those of "
-                                     "softmax(logits / T), the distribution completions are drawn from (as in TRL).")
-    top_p: float = option(1.0, "Nucleus sampling probability mass.")
-    top_k: int = option(-1, "Sample from the top k tokens only (-1 = off).")
     beta: float = option(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
                               "model, TRL's default). https://arxiv.org/abs/2402.03300")
     epsilon: float = option(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
@@ -117,19 +104,6 @@ class GRPOConfig(TrainConfig):
     scale_rewards: Literal["group", "batch", "none"] = option(
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
     mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
-    rollout_engine: Literal["hf", "vllm", "vllm-server"] = option(
-        "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: one `alignflow rollout-server` "
-              "for the whole job (a running one at vllm_server_host/port, or one the first rank starts).")
-    vllm_gpu_memory_utilization: float = option(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
-    vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server the job starts itself "
-                                                   "(e.g. '1').")
-    vllm_server_host: str | None = option(None, "Host of a running `alignflow rollout-server` (TRL's name; port "
-                                                "vllm_server_port). Unset with the port: the job starts one server, "
-                                                "on its first rank.")
-    vllm_server_port: int | None = option(None, "Port of that server (8000 when only the host is given).")
-    vllm_server_base_url: str | None = option(None, "URL of that server, e.g. http://rollout:8000 (instead of host "
-                                                    "and port).")
-    vllm_server_timeout: float = option(240.0, "Seconds to wait for the rollout server to answer (TRL's default).")
     importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
                                                          "rollout-engine probabilities (engine log-probs kept).",
                                                   aliases=("vllm_importance_sampling_correction",))
@@ -140,11 +114,6 @@ class GRPOConfig(TrainConfig):
                                       "once per completion (completions see it through a block attention mask; "
                                       "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
                                       "attention; off for rows > 4096 tokens.")
-    truncation_mode: Literal["keep_end", "keep_start", "drop"] = option(
-        "keep_end", "Prompts longer than `max_prompt_length`: keep their end (left truncation, TRL's behaviour), "
-                    "keep their start, or drop them. The count is logged.")
-    log_completions_steps: int = option(10, "Log a table of sample prompts, completions and rewards every this many steps.")
-    num_completions_to_log: int = option(8, "Rows in that table.")
 
     stage = "grpo"
 
@@ -156,136 +125,20 @@ class GRPOConfig(TrainConfig):
         if total % self.num_generations:
             raise ConfigError(f"per_device_batch_size x gradient_accumulation_steps = {total} must be divisible by "
                               f"num_generations = {self.num_generations}; change one of them.")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(f"`reward_weights` has {len(self.reward_weights)} entries for "
-                              f"{len(self.reward_funcs)} `reward_funcs`; give one weight per function.")
-        if not self.reward_funcs:
-            raise ConfigError("`reward_funcs` is empty; give at least one reward function.")
         if self.num_iterations < 1:
             raise ConfigError(f"`num_iterations` must be >= 1, got {self.num_iterations}.")
-        if self.temperature < 0:
-            raise ConfigError(f"`temperature` must be > 0, got {self.temperature}.")
         if self.temperature == 0:
             raise ConfigError("`temperature` 0 samples greedily: every completion of a prompt is the same, so every "
                               "group advantage is 0 and GRPO learns nothing. Use a temperature > 0 (TRL's default "
                               "is 1.0).")
-        if self.max_completion_length < 1 or self.max_prompt_length < 1:
-            raise ConfigError("`max_completion_length` and `max_prompt_length` must be >= 1.")
-        check_server_options(self)
-        if self.max_prompt_length + self.max_completion_length > self.max_length:
-            raise ConfigError(f"max_prompt_length + max_completion_length = "
-                              f"{self.max_prompt_length + self.max_completion_length} exceeds `max_length` "
-                              f"({self.max_length}), the longest sequence; raise max_length or shorten one of them.")
 
     @property
-    def prompts_per_cycle(self) -> int:
+    def prompts_per_cycle(self) -> int:  # a step's completions, in groups of G
         return self.per_device_batch_size * self.gradient_accumulation_steps // self.num_generations
-
-
-def check_server_options(config) -> None:
-    """The rollout-server options of GRPO and PPO: only with rollout_engine vllm-server, one address at a time."""
-    given = [f for f in ("vllm_server_host", "vllm_server_port", "vllm_server_base_url") if getattr(config, f)]
-    if given and config.rollout_engine != "vllm-server":
-        raise ConfigError(f"`{given[0]}` addresses a rollout server, but rollout_engine is {config.rollout_engine}: "
-                          "set rollout_engine vllm-server (TRL: use_vllm true, vllm_mode server) or remove it.")
-    if config.vllm_server_base_url and {"vllm_server_host", "vllm_server_port"} & set(given):
-        raise ConfigError("Set either `vllm_server_base_url` or `vllm_server_host`/`vllm_server_port`, not both.")
-    if config.vllm_server_port is not None and not 0 < config.vllm_server_port < 65536:
-        raise ConfigError(f"`vllm_server_port` must be in 1..65535, got {config.vllm_server_port}.")
-    if config.vllm_server_timeout <= 0:
-        raise ConfigError(f"`vllm_server_timeout` must be > 0 seconds, got {config.vllm_server_timeout}.")
-    if not 0 < config.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError("`vllm_gpu_memory_utilization` is the share of the rollout GPU's memory vLLM may take: "
-                          f"give a number in (0, 1], got {config.vllm_gpu_memory_utilization}.")
 
 
 # ----------------------------------------------------------------------------------------------
 # Prompts, rewards and one cycle's trajectory
-
-
-@dataclass
-class PromptSet:
-    """A prompt dataset: the rows (their other columns feed the reward functions) and token ids."""
-
-    rows: Any  # datasets.Dataset
-    token_ids: list[list[int]]  # [num_prompts] truncated per `truncation_mode`
-
-    @property
-    def columns(self) -> list[str]:
-        return [c for c in self.rows.column_names if c != "prompt"]
-
-
-def load_prompts(spec: str, split: str, tokenizer, config: GRPOConfig, rows=None) -> PromptSet:
-    """Prompt rows (a `prompt` column, text or chat; loaded from `spec` unless given) tokenized and cut to
-    `max_prompt_length`."""
-    rows = load_rows(spec, split) if rows is None else rows
-    if "prompt" not in rows.column_names:
-        raise DataError(f"Dataset {spec!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` column "
-                        "(text or chat messages) plus any columns the reward functions read.")
-    prompts = rows["prompt"]  # (each read of an Arrow column builds a new Python list)
-    for index, prompt in enumerate(prompts):
-        if is_conversational(prompt):
-            check_messages(prompt, index, "prompt", tokenizer)
-    ids = [prompt_token_ids(p, tokenizer) for p in prompts]
-    limit, long = config.max_prompt_length, [i for i, x in enumerate(ids) if len(x) > config.max_prompt_length]
-    if long and config.truncation_mode == "drop":
-        keep = sorted(set(range(len(ids))) - set(long))
-        rows, ids = rows.select(keep), [ids[i] for i in keep]
-    else:
-        ids = [x[-limit:] if config.truncation_mode == "keep_end" else x[:limit] for x in ids]
-    if long:
-        log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d (%s).", spec, len(long),
-                    len(rows) + (len(long) if config.truncation_mode == "drop" else 0), limit,
-                    {"keep_end": "their start was cut", "keep_start": "their end was cut", "drop": "dropped"}[
-                        config.truncation_mode])
-    if not ids:
-        raise DataError(f"Dataset {spec!r} has no prompts left: all {len(long)} are longer than max_prompt_length="
-                        f"{limit} (truncation_mode=drop); raise `max_prompt_length`, or set `truncation_mode "
-                        "keep_end` to cut their start instead.")
-    return PromptSet(rows, ids)
-
-
-@dataclass
-class RewardSet:
-    """The reward functions, their names (for metrics) and weights."""
-
-    funcs: list
-    names: list[str]
-    weights: torch.Tensor  # [F]
-
-    def score(self, data: PromptSet, picked: list[int], completions: list[list], tokenizer
-              ) -> tuple[list, list[str], torch.Tensor]:
-        """Decode and score the completions of `data`'s prompts `picked` (one group per prompt): each
-        completion's prompt, its text, and the rewards of every function, [N, F] (NaN where a function
-        returned None). TRL's calling convention: chat completions for chat prompts, the dataset's other
-        columns and `completion_ids` as keyword arguments."""
-        owners = [i for i, group in zip(picked, completions) for _ in group]  # [N] dataset row of each completion
-        flat = [c for group in completions for c in group]
-        prompts = [data.rows[i]["prompt"] for i in owners]
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
-        shaped = [[{"role": "assistant", "content": x}] for x in texts] if is_conversational(prompts[0]) else texts
-        columns = {c: [data.rows[i][c] for i in owners] for c in data.columns}
-        columns["completion_ids"] = [list(c.token_ids) for c in flat]
-        return prompts, texts, score_completions(self.funcs, prompts, shaped, columns)
-
-
-def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet | None, RewardSet]:
-    """An RL stage's (GRPO, PPO) prompts, held-out prompts and reward functions, checked before any model loads."""
-    if config.eval_split_ratio:
-        raise ConfigError(f"{config.stage.upper()} evaluates on held-out prompts from `eval_dataset`; "
-                          "`eval_split_ratio` is not supported: pass --eval_dataset PATH instead.")
-    data = load_prompts(dataset_label(config), config.dataset_split, tokenizer, config, rows=train_rows(config))
-    eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
-                 if config.eval_dataset else None)
-    if config.dataset_test_split:
-        eval_data = load_prompts(f"{config.dataset} [{config.dataset_test_split}]", config.dataset_test_split,
-                                 tokenizer, config, rows=test_split_rows(config))
-    funcs = [load_reward_function(spec, label=config.reward_label, label_score=config.reward_label_score)
-             for spec in config.reward_funcs]
-    rewards = RewardSet(funcs, reward_names(funcs),
-                        torch.tensor(config.reward_weights or [1.0] * len(funcs)))
-    check_ranks(config, world, len(data.token_ids))
-    return data, eval_data, rewards
 
 
 @dataclass
@@ -414,99 +267,6 @@ def log_completions(run: StageRunner, traj: Trajectory, names: list[str], step: 
     run.log_completions(rows, f"completions/step_{step:06d}.json")
 
 
-def eval_prompts_per_batch(config) -> int:
-    """Prompts per evaluation batch on each device: `per_device_eval_batch_size` completions (as in TRL), in whole
-    groups of `num_generations`; unset, a training cycle's prompts."""
-    if not config.per_device_eval_batch_size:
-        return max(1, config.prompts_per_cycle)
-    return max(1, config.per_device_eval_batch_size // getattr(config, "num_generations", 1))
-
-
-def evaluate(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, tokenizer,
-             sampling: SamplingConfig) -> dict[str, float]:
-    """Mean rewards of G sampled completions per held-out prompt (TRL's eval_reward); each rank its share."""
-    per_func = []
-    for part in run.rank_slice(len(data.token_ids), eval_prompts_per_batch(run.config)):
-        picked = list(part) or [0]  # an empty share still generates (collectives and ZeRO-3 stay in step)
-        call = dataclasses.replace(sampling, seed=run.config.seed, prompt_keys=picked)  # the same draws every eval
-        completions = engine.generate([data.token_ids[i] for i in picked], call)
-        scores = rewards.score(data, picked, completions, tokenizer)[2]
-        per_func.append(scores if len(part) else scores[:0])
-    mine = torch.cat(per_func)  # [n, F]
-    sums = run.sum_over_ranks({"n": float(len(mine)),
-                               "eval_reward": float(torch.nansum(combine_rewards(mine, rewards.weights))),
-                               **{f"eval_rewards/{n}/mean": float(torch.nansum(mine[:, j]))
-                                  for j, n in enumerate(rewards.names)}})
-    count = max(sums.pop("n"), 1.0)
-    return {k: v / count for k, v in sums.items()}
-
-
-def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) -> tuple[object, SamplingConfig]:
-    """The rollout engine (`rollout_engine`) for `model`, and the sampling of `n` completions per prompt.
-
-    vllm-server: the server at vllm_server_host/port (or base URL), which then gets this run's weights
-    first; unset, ONE server per node (so one for a one-node job), started from `model_path` by the
-    node's first rank, which the node's other ranks connect to once it answers. Shared with PPO, whose
-    config has the same fields."""
-    config = run.config
-    url = (server_url(config.vllm_server_host, config.vllm_server_port, config.vllm_server_base_url)
-           if config.rollout_engine == "vllm-server" else None)
-
-    def make(server: str | None):
-        return make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=model_path,
-                           max_model_len=config.max_prompt_length + config.max_completion_length,
-                           dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
-                           seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                           server_devices=config.vllm_server_devices, server_url=server,
-                           server_timeout_s=config.vllm_server_timeout,
-                           synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
-
-    if config.rollout_engine == "vllm-server" and url is None and run.world > 1:
-        # Rank 0 of each node starts it and waits until it answers; the node's other ranks then connect to it
-        # (127.0.0.1: one server per node, so one for a one-node job).
-        local_main = run.accelerator.is_local_main_process
-        engine = make(None) if local_main else None
-        host = socket.gethostname()
-        started = distributed.every_rank(run.accelerator, [host, engine.url, engine.pid] if local_main else None)
-        ours = next(entry for entry in started if entry is not None and entry[0] == host)
-        engine = engine or make(ours[1])
-        hosts = distributed.every_rank(run.accelerator, host)
-        log.info("Rollout server %s (pid %s) serves the %d ranks on %s; %d server(s) in the job.", ours[1], ours[2],
-                 hosts.count(host), host, sum(1 for e in started if e is not None))
-    else:
-        engine = make(url)
-    if url is not None:  # a running server holds whatever it last got: start from this run's weights
-        log.info("Rollout server %s (model %s, max_model_len %d): pushing this run's weights.", url,
-                 engine.info["model"], engine.info["max_model_len"])
-        push_weights(run, engine)
-    sampling = SamplingConfig(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                              top_p=config.top_p, top_k=config.top_k, n=n, stop_token_ids=[tokenizer.eos_token_id])
-    return engine, sampling
-
-
-def push_weights(run: StageRunner, engine) -> None:
-    """The new weights to the rollout engine (the hf engine generates with the training model itself).
-
-    One rank sends them, module by module (`distributed.full_weights`; LoRA merged): rank 0 to a server
-    given by address, each node's rank 0 to its node's own server (one it started, or a sidecar on
-    127.0.0.1); under ZeRO-3 every rank takes part in each module's gather. The other ranks wait at a
-    barrier until the engine has them."""
-    config = run.config
-    if config.rollout_engine == "hf":
-        return
-    given = server_url(config.vllm_server_host, config.vllm_server_port, config.vllm_server_base_url)
-    sends = run.accelerator.is_local_main_process if config.rollout_engine == "vllm-server" and on_each_node(given) \
-        else run.is_main
-    weights = distributed.full_weights(run.accelerator, run.model, run.module)
-    if sends:
-        engine.sync_weights(weights)
-    elif run.runtime["zero_stage"] == 3:
-        for _ in weights:  # the gathers are collectives
-            pass
-    if run.world > 1:
-        run.accelerator.wait_for_everyone()
-
-
 # ----------------------------------------------------------------------------------------------
 # The stage
 
@@ -581,12 +341,3 @@ def run_grpo(config: GRPOConfig) -> str:
             engine.close()
 
 
-def check_ranks(config: GRPOConfig, world: int, num_prompts: int) -> None:
-    """What several ranks need that one does not; each error says what to change."""
-    if world > 1 and num_prompts < config.prompts_per_cycle * world:
-        raise ConfigError(f"{world} ranks x {config.prompts_per_cycle} prompts per cycle need at least "
-                          f"{config.prompts_per_cycle * world} prompts; the dataset has {num_prompts}. Lower "
-                          "per_device_batch_size or gradient_accumulation_steps, or use fewer processes.")
-    if world > 1 and config.rollout_engine == "vllm":
-        raise ConfigError("rollout_engine=vllm runs vLLM inside the training process, which supports one process "
-                          "so far; with several ranks use vllm-server (one rollout server for the job) or hf.")

@@ -64,7 +64,7 @@ from trainer.algorithms.losses import (
     value_loss,
     value_stats,
 )
-from trainer.config.options import TrainConfig, option
+from trainer.config.options import option
 from trainer.data.sources import describe_datasets
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import distributed
@@ -82,11 +82,10 @@ from trainer.engine.models import (
 from trainer.engine.runner import StageRunner
 from trainer.errors import ConfigError, ModelError
 from trainer.rewards.scorer import RewardModelScorer, classifier_labels, label_index
-from trainer.stages.rl.grpo import (
-    GRPOConfig,
+from trainer.stages.rl.rollouts import (
     PromptSet,
     RewardSet,
-    check_server_options,
+    RolloutConfig,
     evaluate,
     load_rl_inputs,
     push_weights,
@@ -99,16 +98,8 @@ VALUE_HEAD = "value_head"  # saved as value_head.safetensors in every checkpoint
 CRITIC = "critic"  # critic=reward_model: saved as a model folder critic/ in every checkpoint
 
 
-def _as_in_grpo(name: str, **overrides):
-    """A field GRPO has too (rollouts, rewards, prompts): the same help and TRL names, one place to document it."""
-    f = GRPOConfig.__dataclass_fields__[name]
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    aliases = tuple(a.removeprefix("--") for a in f.metadata.get("aliases", ())) + overrides.get("aliases", ())
-    return option(overrides.get("default", default), f.metadata["help"], aliases=aliases)
-
-
 @dataclass
-class PPOConfig(TrainConfig):
+class PPOConfig(RolloutConfig):
     """PPO with a value head, GAE and adaptive KL control (RLHF: Ziegler et al. 2019, Ouyang et al. 2022)."""
 
     learning_rate: float = option(3e-6, "Peak learning rate (AdamW); TRL's PPO default.")
@@ -147,37 +138,14 @@ class PPOConfig(TrainConfig):
                                             "the critic's starting point; default: the one reward model in "
                                             "`reward_funcs`. A causal-LM sequence classifier with the policy's "
                                             "tokenizer.")
-    reward_funcs: list[str] = _as_in_grpo("reward_funcs")
-    reward_weights: list[float] = _as_in_grpo("reward_weights")
-    reward_label: str | None = _as_in_grpo("reward_label")
-    reward_label_score: Literal["logit", "probability"] = _as_in_grpo("reward_label_score")
-    max_prompt_length: int = _as_in_grpo("max_prompt_length")
-    max_completion_length: int = _as_in_grpo("max_completion_length", aliases=("response_length",))
-    temperature: float = _as_in_grpo("temperature")
-    top_p: float = _as_in_grpo("top_p")
-    top_k: int = _as_in_grpo("top_k")
-    rollout_engine: Literal["hf", "vllm", "vllm-server"] = _as_in_grpo("rollout_engine")
-    vllm_gpu_memory_utilization: float = _as_in_grpo("vllm_gpu_memory_utilization")
-    vllm_server_devices: str | None = _as_in_grpo("vllm_server_devices")
-    vllm_server_host: str | None = _as_in_grpo("vllm_server_host")
-    vllm_server_port: int | None = _as_in_grpo("vllm_server_port")
-    vllm_server_base_url: str | None = _as_in_grpo("vllm_server_base_url")
-    vllm_server_timeout: float = _as_in_grpo("vllm_server_timeout")
-    truncation_mode: Literal["keep_end", "keep_start", "drop"] = _as_in_grpo("truncation_mode")
-    log_completions_steps: int = _as_in_grpo("log_completions_steps")
-    num_completions_to_log: int = _as_in_grpo("num_completions_to_log")
 
     stage = "ppo"
 
     def validate(self) -> None:
         super().validate()
-        for name in ("batch_size", "mini_batch_size", "ppo_epochs", "horizon", "max_completion_length",
-                     "max_prompt_length"):
+        for name in ("batch_size", "mini_batch_size", "ppo_epochs", "horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
-        if self.temperature < 0:
-            raise ConfigError(f"`temperature` must be >= 0 (0 = greedy rollouts), got {self.temperature}.")
-        check_server_options(self)
         if self.batch_size % self.mini_batch_size or self.mini_batch_size % self.per_device_batch_size:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size "
                               f"({self.mini_batch_size}), and that a multiple of per_device_batch_size "
@@ -185,23 +153,14 @@ class PPOConfig(TrainConfig):
         if self.gradient_accumulation_steps != 1:
             raise ConfigError("PPO accumulates mini_batch_size / per_device_batch_size micro-batches per optimizer "
                               "step; leave `gradient_accumulation_steps` at 1 and set `mini_batch_size` instead.")
-        if not self.reward_funcs:
-            raise ConfigError("`reward_funcs` is empty; give at least one reward function or reward model.")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(f"`reward_weights` has {len(self.reward_weights)} entries for "
-                              f"{len(self.reward_funcs)} `reward_funcs`; give one weight per function.")
         if self.critic_model and self.critic != "reward_model":
             raise ConfigError(f"`critic_model` ({self.critic_model!r}) is used with critic=reward_model only; set "
                               "`critic: reward_model` or drop `critic_model`.")
         if self.adap_kl_ctrl and self.target_kl <= 0:
             raise ConfigError(f"`target_kl` must be > 0 with adap_kl_ctrl, got {self.target_kl}.")
-        if self.max_prompt_length + self.max_completion_length > self.max_length:
-            raise ConfigError(f"max_prompt_length + max_completion_length = "
-                              f"{self.max_prompt_length + self.max_completion_length} exceeds `max_length` "
-                              f"({self.max_length}); raise max_length or shorten one of them.")
 
     @property
-    def prompts_per_cycle(self) -> int:  # GRPO's name, read by its shared helpers
+    def prompts_per_cycle(self) -> int:  # one completion per prompt
         return self.batch_size
 
     @property
