@@ -93,14 +93,14 @@ def _summary(spec: dict, step_ends: list[float], train_start: float, phases: lis
 
 def child_alignflow(spec: dict, started: float) -> dict:
     from trainer.engine import checkpoint, runner
-    from trainer.stages.rl import grpo, rollouts
+    from trainer.stages.rl import grpo, shared
 
     imported = common.clock()
     marks: dict[str, float] = {}
     step_ends: list[float] = []
 
     # Instrument the stage through the names it calls; nothing else changes.
-    sampling_config, progress_cls = rollouts.SamplingConfig, runner.Progress
+    sampling_config, progress_cls = shared.SamplingConfig, runner.Progress
 
     def sampling(*args, **kwargs):
         if spec["full_length"]:
@@ -116,7 +116,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
             super().update(*args, **kwargs)
             step_ends.append(common.clock())
 
-    rollouts.SamplingConfig, runner.Progress = sampling, TimedProgress
+    shared.SamplingConfig, runner.Progress = sampling, TimedProgress
     group = spec["generations"]
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",

@@ -118,7 +118,7 @@ def _alignflow_config(spec: dict, stage):
 
 def child_alignflow(spec: dict, started: float) -> dict:
     from trainer.engine import checkpoint, runner
-    from trainer.stages.rl import grpo, ppo, rollouts
+    from trainer.stages.rl import grpo, ppo, shared
 
     imported = common.clock()
     marks: dict[str, float] = {}
@@ -126,7 +126,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
     cpu_ends: list[float] = []
 
     # Instrument the stage through the names it calls; nothing else changes.
-    sampling_config, progress_cls = rollouts.SamplingConfig, runner.Progress
+    sampling_config, progress_cls = shared.SamplingConfig, runner.Progress
 
     def sampling(*args, **kwargs):
         kwargs["stop_token_ids"] = []  # run every completion to max_completion_length
@@ -142,7 +142,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
             step_ends.append(common.clock())
             cpu_ends.append(common.cpu_clock())
 
-    rollouts.SamplingConfig, runner.Progress = sampling, TimedProgress
+    shared.SamplingConfig, runner.Progress = sampling, TimedProgress
     is_ppo = spec["trainer"].startswith("alignflow-ppo")
     config = _alignflow_config(spec, ppo if is_ppo else grpo)
     (ppo.run_ppo if is_ppo else grpo.run_grpo)(config)

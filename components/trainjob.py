@@ -306,7 +306,7 @@ def node_script(stage: str, multi: MultiNode) -> str:
 
 def rollout_server_args(stage: str, values: dict[str, Any], multi: MultiNode) -> list[str]:
     """`alignflow rollout-server` options for the sidecar of a pod whose ranks train `stage` with `values`: the
-    length, dtype and memory share the trainer would give the server it starts itself (rollouts.start_engine)."""
+    length, dtype and memory share the trainer would give the server it starts itself (shared.start_engine)."""
     from trainer.config.options import config_from_dict
     from trainer.stages import stage_parts
 

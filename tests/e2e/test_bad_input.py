@@ -534,7 +534,7 @@ def test_command_grpo_bad_reward_path(data, tiny_model, tmp_path):
 def test_grpo_warns_once_with_counts_when_it_cuts_prompts(data, tiny_model, tmp_path, caplog):
     """Left truncation (keep_end, the default) is not an error: one warning with the counts."""
     from trainer.engine.models import load_tokenizer
-    from trainer.stages.rl.rollouts import load_prompts
+    from trainer.stages.rl.shared import load_prompts
 
     config = grpo_config(tiny_model, tmp_path, max_prompt_length=3)
     with caplog.at_level("WARNING", logger="trainer.stages.rl.grpo"):

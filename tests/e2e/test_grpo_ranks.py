@@ -22,7 +22,7 @@ from trainer.engine.distributed import rank_prompts
 from trainer.engine.loop import step_batches
 from trainer.errors import ConfigError
 from trainer.stages.rl.grpo import GRPOConfig
-from trainer.stages.rl.rollouts import check_ranks
+from trainer.stages.rl.shared import check_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 # What launch_grpo runs: 2 prompts per rank per cycle, 4 per cycle in all.

@@ -92,7 +92,7 @@ CASES = [
     pytest.param("dpo", "zero3", False, id="dpo-zero3-full"),
     # GRPO's own part is the rollout: each rank generates and scores its slice of the prompts, and the
     # rewards are gathered for the group advantages; none of it depends on how the weights are placed.
-    # (Generation in step on ZeRO-3, `synced_gpus` in rollouts.start_engine, is PPO's too: compared in
+    # (Generation in step on ZeRO-3, `synced_gpus` in shared.start_engine, is PPO's too: compared in
     # test_ppo_two_ranks_under_zero_match_one.)
     pytest.param("grpo", "ddp", False, id="grpo-ddp-full"),
 ]

@@ -2,7 +2,7 @@
 
 Every engine returns, for each prompt, `n` completions as token ids plus the log-probability the
 engine itself assigned to each sampled token. Those log-probs are the *behaviour policy* of
-truncated importance sampling (trainer/algorithms/losses.py `rollout_is_weights`): they are taken from the
+truncated importance sampling (trainer/algorithms/policy.py `rollout_is_weights`): they are taken from the
 distribution the token was actually drawn from, i.e. after temperature scaling and top-k / top-p
 filtering (renormalised). At temperature 0 (greedy) they are the plain log-softmax of the logits.
 """

@@ -3,7 +3,7 @@
 Each step scores both replies of B preference pairs under the policy and under a reference
 model, and lowers a loss of the log-ratios log πθ(y|x) − log πref(y|x) of the chosen and the
 rejected reply (Rafailov et al. 2023, arXiv:2305.18290; the loss types are pure functions in
-`trainer.algorithms.losses.dpo_loss`). Log-probs are summed over completion tokens only; prompts are
+`trainer.algorithms.preference.dpo_loss`). Log-probs are summed over completion tokens only; prompts are
 context. The loss of one optimizer step is the mean over all its pairs (all accumulated
 micro-batches), so gradient accumulation gives the same update as one large batch.
 
@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from trainer.algorithms.logprobs import TargetLM, selective_log_softmax, sequence_sums, target_logits
-from trainer.algorithms.losses import dpo_loss
+from trainer.algorithms.preference import dpo_loss
 from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import is_conversational
 from trainer.data.formatting import pack_best_fit

@@ -11,7 +11,7 @@
 
 Metric definitions (names follow TRL's GRPO logs where they overlap):
 
-- ``reward``: mean over prompts of Σ_f w_f·r_f (`trainer.algorithms.losses.combine_rewards`, as GRPO trains on);
+- ``reward``: mean over prompts of Σ_f w_f·r_f (`trainer.algorithms.advantages.combine_rewards`, as GRPO trains on);
   functions returning None are skipped per prompt. ``rewards/<fn>/mean``: mean of one function.
 - ``accuracy``: mean of the built-in `exact_answer` (GSM8K ``#### N`` vs `answer`), whenever the data
   has an `answer` column, whether or not it is among `reward_funcs`.
@@ -43,8 +43,8 @@ from typing import Any, Literal
 
 import torch
 
+from trainer.algorithms.advantages import combine_rewards
 from trainer.algorithms.logprobs import logit_temperature
-from trainer.algorithms.losses import combine_rewards
 from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import is_conversational
 from trainer.data.sources import load_rows

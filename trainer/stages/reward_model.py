@@ -5,7 +5,7 @@ The model is any causal LM or encoder loaded with `AutoModelForSequenceClassific
 the last non-pad token for causal LMs (hence `config.pad_token_id`) and at the pooled [CLS]
 token for BERT-style encoders. Each step scores the chosen and the rejected text of B pairs in
 one forward of 2B rows and lowers mean(−log σ(r_chosen − r_rejected − margin)), plus optionally
-the centring term c·mean((r_chosen + r_rejected)²) (`trainer.algorithms.losses.bradley_terry_loss`, where
+the centring term c·mean((r_chosen + r_rejected)²) (`trainer.algorithms.preference.bradley_terry_loss`, where
 the formula and its references live). The loss of one optimizer step is the mean over all its
 pairs (all accumulated micro-batches), so gradient accumulation gives the same update as one
 large batch.
@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from trainer.algorithms.losses import bradley_terry_loss
+from trainer.algorithms.preference import bradley_terry_loss
 from trainer.config.options import TrainConfig, option
 from trainer.data.preferences import (
     TokenizedPairs,

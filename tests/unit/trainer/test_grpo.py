@@ -21,7 +21,7 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
 
 def test_truncation_mode_and_unsupported_eval_split(tiny_model, tmp_path):
     from trainer.engine.models import load_tokenizer
-    from trainer.stages.rl.rollouts import load_prompts
+    from trainer.stages.rl.shared import load_prompts
 
     tokenizer = load_tokenizer(tiny_model)
     path = prompts_file(tmp_path / "p.jsonl", n=4)

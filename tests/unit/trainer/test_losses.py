@@ -1,4 +1,4 @@
-"""Hand-derived checks of trainer/algorithms/losses.py.
+"""Hand-derived checks of the losses and advantage estimators in trainer/algorithms/.
 
 Each test's docstring does the arithmetic; the assertions compare against those numbers
 (rounded to ~6 significant digits, hence the tolerances). Notation: σ = sigmoid,
@@ -11,27 +11,26 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from trainer.algorithms.losses import (
+from trainer.algorithms.advantages import (
     AdaptiveKLController,
     FixedKLController,
-    aggregate_token_loss,
-    bradley_terry_loss,
     combine_rewards,
-    dpo_loss,
     gae_advantages,
     group_advantages,
-    k3_kl,
     kl_penalty_rewards,
-    masked_mean,
-    masked_moments,
-    masked_whiten,
+    rloo_advantages,
+)
+from trainer.algorithms.masked import masked_mean, masked_moments, masked_whiten
+from trainer.algorithms.policy import (
+    aggregate_token_loss,
+    k3_kl,
     policy_loss,
     ppo_policy_loss,
-    rloo_advantages,
     rollout_is_weights,
     value_loss,
     value_stats,
 )
+from trainer.algorithms.preference import bradley_terry_loss, dpo_loss
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -19,7 +19,7 @@ from trainer.engine import distributed, launch
 from trainer.engine.loop import build_optimizer, build_scheduler, total_steps
 from trainer.errors import ConfigError, DataError
 from trainer.stages import stage_parts
-from trainer.stages.rl.rollouts import eval_prompts_per_batch
+from trainer.stages.rl.shared import eval_prompts_per_batch
 
 STAGES = ("sft", "reward", "dpo", "grpo", "ppo")
 RL = ("grpo", "ppo")

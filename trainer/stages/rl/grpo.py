@@ -12,7 +12,7 @@ One generation cycle:
               optional k3 KL, aggregation by `loss_type`
     sync      push the new weights to the rollout engine
 
-Formulas live in `trainer/algorithms/losses.py` (Shao et al. 2024 for GRPO, Yu et al. 2025 for DAPO's
+Formulas live in `trainer/algorithms/` (advantages.py, policy.py) (Shao et al. 2024 for GRPO, Yu et al. 2025 for DAPO's
 token-level loss and epsilon_high, Liu et al. 2025 for Dr. GRPO). Departures from TRL: the
 LM head runs only at completion positions; each group's prompt goes through the model once
 per micro-batch, not once per completion (`share_prompt`, `trainer.engine.attention.share_prompts`);
@@ -36,19 +36,18 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from trainer.algorithms.logprobs import TargetLM, logit_temperature
-from trainer.algorithms.losses import (
+from trainer.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    ScaleRewards,
     combine_rewards,
-    group_advantages,
-    nanstd,
-    policy_loss,
-    rloo_advantages,
-    rollout_is_weights,
 )
+from trainer.algorithms.logprobs import TargetLM, logit_temperature
+from trainer.algorithms.masked import nanstd
+from trainer.algorithms.policy import GRPOLossType, policy_loss, rollout_is_weights
 from trainer.config.options import option
 from trainer.data.sources import describe_datasets
 from trainer.engine import distributed
@@ -65,7 +64,7 @@ from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, 
 from trainer.engine.runner import StageRunner
 from trainer.errors import ConfigError
 from trainer.rollout import SamplingConfig
-from trainer.stages.rl.rollouts import (
+from trainer.stages.rl.shared import (
     PromptSet,
     RewardSet,
     RolloutConfig,
@@ -94,14 +93,14 @@ class GRPOConfig(RolloutConfig):
     epsilon_high: float | None = option(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
                                               "https://arxiv.org/abs/2503.14476")
     num_iterations: int = option(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = option(
+    loss_type: GRPOLossType = option(
         "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
                 "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
-    advantage_estimator: Literal["grpo", "rloo"] = option(
+    advantage_estimator: AdvantageEstimator = option(
         "grpo", "grpo: (r − group mean) / std (`scale_rewards`); rloo: r minus the mean of the group's other "
                 "G − 1 rewards (REINFORCE leave-one-out, TRL's RLOOTrainer; `scale_rewards` unused). "
                 "https://arxiv.org/abs/2402.14740")
-    scale_rewards: Literal["group", "batch", "none"] = option(
+    scale_rewards: ScaleRewards = option(
         "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
     mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
     importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
@@ -176,10 +175,7 @@ def rollout(run: StageRunner, engine, data: PromptSet, rewards: RewardSet, token
     prompts, texts, per_func = rewards.score(data, picked, completions, tokenizer)  # per_func [N, F]
     combined = combine_rewards(per_func, rewards.weights)  # [N]
     everyone = run.accelerator.gather(combined.to(run.device)).cpu()  # [world*N], rank order
-    if config.advantage_estimator == "rloo":
-        advantages, stats = rloo_advantages(everyone, G)
-    else:
-        advantages, stats = group_advantages(everyone, G, config.scale_rewards)
+    advantages, stats = ADVANTAGE_ESTIMATORS[config.advantage_estimator](everyone, G, config.scale_rewards)
     mine = advantages[run.rank * len(combined):(run.rank + 1) * len(combined)].to(run.device)  # [N]
     timings["timing/score"], t = time.perf_counter() - t, time.perf_counter()
 

@@ -12,7 +12,7 @@ One PPO step:
     control   β follows the adaptive KL controller (`adap_kl_ctrl`) or stays fixed
     sync      push the new weights to the rollout engine
 
-Formulas live in `trainer/algorithms/losses.py` (Schulman et al. 2017 for the clipped objective, Schulman et
+Formulas live in `trainer/algorithms/` (advantages.py, policy.py) (Schulman et al. 2017 for the clipped objective, Schulman et
 al. 2016 for GAE, Ziegler et al. 2019 for the per-token KL reward and the adaptive controller);
 rollouts, prompts, reward functions and weight sync are GRPO's (`trainer/stages/rl/grpo.py`). The value head
 is a scalar linear map on the policy's last hidden state at the positions that predict completion
@@ -45,6 +45,13 @@ from typing import Literal
 
 import torch
 
+from trainer.algorithms.advantages import (
+    AdaptiveKLController,
+    FixedKLController,
+    combine_rewards,
+    gae_advantages,
+    kl_penalty_rewards,
+)
 from trainer.algorithms.logprobs import (
     TargetLM,
     logit_temperature,
@@ -52,18 +59,8 @@ from trainer.algorithms.logprobs import (
     target_logits,
     to_padded,
 )
-from trainer.algorithms.losses import (
-    AdaptiveKLController,
-    FixedKLController,
-    combine_rewards,
-    gae_advantages,
-    kl_penalty_rewards,
-    masked_moments,
-    masked_whiten,
-    ppo_policy_loss,
-    value_loss,
-    value_stats,
-)
+from trainer.algorithms.masked import masked_moments, masked_whiten
+from trainer.algorithms.policy import ppo_policy_loss, value_loss, value_stats
 from trainer.config.options import option
 from trainer.data.sources import describe_datasets
 from trainer.engine import checkpoint as ckpt
@@ -82,7 +79,7 @@ from trainer.engine.models import (
 from trainer.engine.runner import StageRunner
 from trainer.errors import ConfigError, ModelError
 from trainer.rewards.scorer import RewardModelScorer, classifier_labels, label_index
-from trainer.stages.rl.rollouts import (
+from trainer.stages.rl.shared import (
     PromptSet,
     RewardSet,
     RolloutConfig,

@@ -15,9 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.algorithms.losses import (
-    combine_rewards,
-)
+from trainer.algorithms.advantages import combine_rewards
 from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import check_messages, is_conversational
 from trainer.data.sources import dataset_label, load_rows, test_split_rows, train_rows
