@@ -40,7 +40,51 @@ TASK_INPUTS = {
     "grpo": ("prompts_uri",),
     "ppo": ("prompts_uri",),
 }
+# Every stage in a pipeline saves a checkpoint every 30 minutes (and every `save_steps`), keeps
+# the newest, and resumes a retried task from it.
+PIPELINE_DEFAULTS = {"resume_from_checkpoint": "auto", "save_minutes": 30, "save_total_limit": 1,
+                     "disable_progress_bar": True}
+# What check-inputs gives for the paths only the tasks know (artifacts, the checkpoint prefix).
 _PLACEHOLDERS = {"model": "placeholder", "dataset": "placeholder", "output_dir": "placeholder"}
+
+
+def resolve_stage(stage: str, section: dict[str, Any], knobs: dict[str, Any], *, model: str, dataset: str,
+                  output_dir: str, reward_model: str | None = None, run_values: dict[str, Any] | None = None):
+    """A training stage's config exactly as its task reads it: the pipeline config's `section` for the stage,
+    the top-level `knobs` it takes, the pipeline's defaults, and the artifacts (`model`, `dataset`, the
+    trained `reward_model` of an RL stage, the `output_dir` checkpoint prefix). `run_values` are what
+    only the running task knows (the MLflow parent run, tags).
+
+    Returns (the stage's config object, its `MultiNode` keys, checked together, and the values the config
+    was built from: what a multi-node job's pods parse). Pure: it reads no file and no environment, so
+    check-inputs and the training task (which hands the values to a multi-node job) both call it, and a
+    value is checked as the stage will read it. Errors are ConfigErrors naming the field."""
+    from components.trainjob import split_config
+    from trainer.config.options import config_from_dict
+    from trainer.stages import stage_parts
+
+    config_cls, _ = stage_parts(stage)
+    weight, section = split_reward_model_weight(stage, section)
+    # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
+    multi, section = split_config(with_knobs(stage, section, knobs))
+    if reward_model:
+        section = with_reward_model(config_cls, section, reward_model, weight)
+    values = {**PIPELINE_DEFAULTS, **section, **(run_values or {}), "model": model, "dataset": dataset,
+              "output_dir": output_dir}
+    config = config_from_dict(config_cls, values)
+    multi.check(stage, config)  # (on the section's own values: `num_processes` is the launcher's to set)
+    ranks = multi.rank_options()
+    return (config_from_dict(config_cls, {**values, **ranks}) if ranks else config), multi, values
+
+
+def with_reward_model(config_cls, config: dict[str, Any], reward_model: str, weight: float) -> dict[str, Any]:
+    """An RL stage's config with the trained reward model after its reward functions (the section's
+    `reward_funcs`, else the stage's default); with `reward_weights`, `weight` is the model's."""
+    funcs = config.get("reward_funcs") or config_cls.__dataclass_fields__["reward_funcs"].default_factory()
+    config = {**config, "reward_funcs": [*funcs, reward_model]}
+    if config.get("reward_weights"):
+        config["reward_weights"] = [*config["reward_weights"], weight]
+    return config
 
 
 def with_knobs(stage: str, config: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
@@ -78,10 +122,8 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
 
     `pod_gpus`: the GPUs of a training task's pod (`cluster.train.gpus`), which a one-node section's
     `gpus_per_node` must match; None for a local run (no pods)."""
-    from components.trainjob import split_config
     from trainer.config.options import config_from_dict
     from trainer.rewards.specs import check_reward_specs
-    from trainer.stages import stage_parts
     from trainer.stages.evaluate import EvalConfig
 
     if algorithm not in ALGORITHMS:
@@ -91,13 +133,8 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
     check_knobs(knobs)
     check_gate(gate_metric, gate_mode)
     for stage in TRAINING_STAGES:
-        config_cls, _ = stage_parts(stage)
         try:
-            # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
-            _, section = split_reward_model_weight(stage, stage_configs.get(stage) or {})
-            multi, values = split_config(with_knobs(stage, section, knobs))
-            config = config_from_dict(config_cls, {**values, **_PLACEHOLDERS})
-            multi.check(stage, config)
+            config, multi, _ = resolve_stage(stage, stage_configs.get(stage) or {}, knobs, **_PLACEHOLDERS)
             if pod_gpus is not None and stage in ("sft", "reward", algorithm):
                 multi.check_pod(pod_gpus, config)
             # Import paths resolve (and are allowed) before any task runs, not when GRPO starts.

@@ -28,12 +28,6 @@ SKIPPED = "alignflow.skipped"
 PIPELINE_RUN_TAG = "alignflow.pipeline_run"  # the run's display name (not unique)
 PIPELINE_RUN_ID_TAG = "alignflow.pipeline_run_id"  # the run's id: how every task finds the parent run
 
-# Every stage in a pipeline saves a checkpoint every 30 minutes (and every `save_steps`), keeps
-# the newest, and resumes a retried task from it.
-PIPELINE_DEFAULTS = {"resume_from_checkpoint": "auto", "save_minutes": 30, "save_total_limit": 1,
-                     "disable_progress_bar": True}
-
-
 def _setup() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,26 +121,22 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     `reward_model` (GRPO, PPO): the reward-model task's output, which joins the reward functions unless
     that task was skipped."""
     from components import inputs, trainjob
-    from trainer.config.options import config_from_dict
     from trainer.engine import checkpoint as ckpt
     from trainer.engine import launch
     from trainer.stages import stage_parts
 
     _setup()
-    config_cls, run = stage_parts(stage)
-    rm_weight, config = inputs.split_reward_model_weight(stage, config)
-    multi, config = trainjob.split_config(inputs.with_knobs(stage, config, knobs or {}))
-    if reward_model and not is_skipped(reward_model):
-        config = with_reward_model(config_cls, config, reward_model, rm_weight)
-    values = {**PIPELINE_DEFAULTS, **config, "model": model_in, "dataset": dataset}
+    run_values = {}
     if parent := parent_run_id():
-        values["mlflow_parent_run_id"] = parent
+        run_values["mlflow_parent_run_id"] = parent
     if inputs_fingerprint:
-        values["mlflow_tags"] = [*values.get("mlflow_tags", []), f"alignflow.inputs_fingerprint={inputs_fingerprint}"]
-    if multi.nodes == 1:
-        multi.check(stage)
+        tags = config.get("mlflow_tags", [])
+        run_values["mlflow_tags"] = [*tags, f"alignflow.inputs_fingerprint={inputs_fingerprint}"]
     # One prefix for every attempt of this task, on one node or several: a retry resumes from the newest checkpoint.
     checkpoints = checkpoint_uri(model_out.path)
+    stage_config, multi, values = inputs.resolve_stage(
+        stage, config, knobs or {}, model=model_in, dataset=dataset, output_dir=checkpoints,
+        reward_model=reward_model if reward_model and not is_skipped(reward_model) else None, run_values=run_values)
     if ckpt.is_complete(checkpoints):
         log.info("%s holds this task's finished model (from an earlier attempt); not training again.", checkpoints)
     else:
@@ -154,11 +144,10 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
         if multi.nodes > 1:
             trainjob.run_stage(stage, values, multi, output_dir=checkpoints)
         else:
-            stage_config = config_from_dict(config_cls, {**values, **multi.rank_options(), "output_dir": checkpoints})
             if launch.needs_launch(stage_config):
                 run_ranks(stage, stage_config)
             else:
-                run(stage_config)
+                stage_parts(stage)[1](stage_config)
     trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
@@ -178,16 +167,6 @@ def training_report(stage: str, model_dir: str) -> report.Report:
     return report.Report(stage, (stage_parts(stage)[0].__doc__ or "").strip().splitlines()[0], manifest["metrics"],
                          ckpt.read_history(model_dir), manifest.get("samples") or [], mlflow_run_id=run_id,
                          mlflow_url=mlflow_run_url(run_id))
-
-
-def with_reward_model(config_cls, config: dict[str, Any], reward_model: str, weight: float) -> dict[str, Any]:
-    """An RL stage's config with the trained reward model after its reward functions (the section's
-    `reward_funcs`, else the stage's default); with `reward_weights`, `weight` is the model's."""
-    funcs = config.get("reward_funcs") or config_cls.__dataclass_fields__["reward_funcs"].default_factory()
-    config = {**config, "reward_funcs": [*funcs, reward_model]}
-    if config.get("reward_weights"):
-        config["reward_weights"] = [*config["reward_weights"], weight]
-    return config
 
 
 def run_ranks(stage: str, config) -> None:

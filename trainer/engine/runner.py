@@ -98,7 +98,8 @@ class StageRunner:
         self.resumed_from: str | None = None  # its URI
         self.resume_changes: list[dict[str, Any]] = []  # identity changes allowed by resume_allow_changes
         self.identity: dict[str, Any] = {}
-        self.tokenizer: Any = None
+        self.tokenizer: Any = None  # set by prepare(); saved with every checkpoint
+        self.report = distributed.RankReport(self.accelerator)  # what this rank trained on (RL stages fill it)
         self.heads: dict[str, torch.nn.Module] = {}
         self._saved_at = time.monotonic()
         self._saved_step = 0  # the newest step whose checkpoint exists (resumed from or written)
@@ -164,7 +165,7 @@ class StageRunner:
             log.warning("RESUMING A CHANGED RUN from %s: %s.", where, listed)
         return changes
 
-    def prepare(self, model: torch.nn.Module, total_steps: int, datasets: dict[str, dict],
+    def prepare(self, model: torch.nn.Module, tokenizer, total_steps: int, datasets: dict[str, dict],
                 wrap=None, heads: dict[str, torch.nn.Module] | None = None):
         """Optimizer, schedule and the prepared model (DDP / DeepSpeed / autocast); restore the
         training state when resuming; open the MLflow run. Returns the model to run forwards through.
@@ -177,7 +178,7 @@ class StageRunner:
         """
         config = self.config
         distributed.seed_rank(config.seed, self.rank)
-        self.module, self.total_steps, self.datasets = model, total_steps, datasets
+        self.module, self.tokenizer, self.total_steps, self.datasets = model, tokenizer, total_steps, datasets
         self.heads = heads or {}
         trained = torch.nn.ModuleList([model, *self.heads.values()]) if self.heads else model
         optimizer = build_optimizer(trained, config)

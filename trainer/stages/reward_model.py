@@ -224,9 +224,8 @@ def run_reward(config: RewardConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    run.tokenizer = tokenizer
     with run.failing():
-        run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
+        run.prepare(model, tokenizer, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
                                                     {"pairs": len(eval_data)} if eval_data is not None else None))
 
         # 3. The loop.

@@ -228,9 +228,8 @@ def run_sft(config: SFTConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    run.tokenizer = tokenizer
     with run.failing():
-        run.prepare(model, steps, describe_datasets(config, rows, eval_rows, {"examples": len(train_data)}),
+        run.prepare(model, tokenizer, steps, describe_datasets(config, rows, eval_rows, {"examples": len(train_data)}),
                     wrap=TargetLM)
 
         # 3. The loop.

@@ -127,19 +127,19 @@ def test_bad_configs_fail_before_any_task(tiny_model, override, message):
 def test_the_reward_model_joins_the_rl_rewards_with_its_weight(stage):
     """`reward_model_weight` is the pipeline's key (accepted in the section, never passed to the stage); the
     reward-model task's output goes after the section's reward functions, or after the stage's default ones."""
-    from components import inputs, runtime
-    from trainer.stages import stage_parts
+    from components import inputs
 
-    config_cls, _ = stage_parts(stage)
     section = {"reward_funcs": ["exact_answer", "answer_format"], "reward_weights": [1.0, 0.2],
                "reward_model_weight": 0.5}
     inputs.check_parameters(stage, {stage: section}, {}, {}, "m")
-    weight, rest = inputs.split_reward_model_weight(stage, section)
-    assert (weight, "reward_model_weight" in rest) == (0.5, False)
-    joined = runtime.with_reward_model(config_cls, rest, "/rm", weight)
-    assert joined["reward_funcs"] == ["exact_answer", "answer_format", "/rm"]
-    assert joined["reward_weights"] == [1.0, 0.2, 0.5]
-    assert runtime.with_reward_model(config_cls, {}, "/rm", 1.0) == {"reward_funcs": ["exact_answer", "/rm"]}
+    paths = {"model": "/policy", "dataset": "/prompts", "output_dir": "/out"}
+    config, _, values = inputs.resolve_stage(stage, section, {}, reward_model="/rm", **paths)
+    assert "reward_model_weight" not in values
+    assert config.reward_funcs == ["exact_answer", "answer_format", "/rm"]
+    assert config.reward_weights == [1.0, 0.2, 0.5]
+    config, _, _ = inputs.resolve_stage(stage, {}, {}, reward_model="/rm", **paths)
+    assert (config.reward_funcs, config.reward_weights) == (["exact_answer", "/rm"], [])
+    assert inputs.resolve_stage(stage, {}, {}, **paths)[0].reward_funcs == ["exact_answer"]
 
 
 def test_unknown_pipeline_option_suggests_the_closest():

@@ -300,10 +300,8 @@ def run_grpo(config: GRPOConfig) -> str:
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
-    run.tokenizer = tokenizer
-    run.report = distributed.RankReport(run.accelerator)
     with run.failing():
-        run.prepare(model, steps, describe_datasets(config, data.rows, eval_data.rows if eval_data else None, {}),
+        run.prepare(model, tokenizer, steps, describe_datasets(config, data.rows, eval_data.rows if eval_data else None, {}),
                     wrap=TargetLM)
         if ref_model is not None:
             ref_model = distributed.prepare_reference(run.accelerator, TargetLM(ref_model))

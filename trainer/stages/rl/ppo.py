@@ -435,10 +435,8 @@ def run_ppo(config: PPOConfig) -> str:
 
     run.resume_checkpoint(model_path, data.rows)
     model, head, ref_model = load_models(run, config, model_path, tokenizer, rewards)
-    run.tokenizer = tokenizer
-    run.report = distributed.RankReport(run.accelerator)
     with run.failing():
-        run.prepare(model, steps, describe_datasets(config, data.rows, eval_data.rows if eval_data else None, {}),
+        run.prepare(model, tokenizer, steps, describe_datasets(config, data.rows, eval_data.rows if eval_data else None, {}),
                     wrap=lambda lm: PolicyWithValue(lm, head),
                     heads={VALUE_HEAD if config.critic == "value_head" else CRITIC: head})
         if ref_model is not None:
