@@ -1,6 +1,6 @@
 """The stage runner: what every training stage does around its own loop, on one process or many.
 
-A stage (`trainer/stages/sft.py`, `reward.py`, `dpo.py`, `grpo.py`) owns its data, its loss and its
+A stage (`trainer/stages/sft.py`, `reward_model.py`, `dpo.py`, `rl/grpo.py`, `rl/ppo.py`) owns its data, its loss and its
 loop; the runner owns the rest, so that no stage quietly ignores an option the others honour:
 
 - **Devices and processes** (`trainer.engine.distributed.make_accelerator`): CUDA when present, else
