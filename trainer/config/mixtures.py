@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from trainer.config.strict_yaml import DuplicateKeyError, strict_yaml
 from trainer.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

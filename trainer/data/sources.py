@@ -27,8 +27,6 @@ from trainer.config.mixtures import parse_mixture
 from trainer.errors import DataError
 from trainer.io.storage import fetch_to_local, is_remote
 
-log = logging.getLogger(__name__)
-
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 

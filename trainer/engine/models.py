@@ -3,7 +3,6 @@ LoRA through peft; gradient checkpointing; a pad token when the tokenizer has no
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -14,8 +13,6 @@ import torch
 from trainer.engine.checkpoint import COMPLETE_MARKER, MANIFEST
 from trainer.errors import ModelError
 from trainer.io.storage import fetch_to_local, is_remote
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 

@@ -20,9 +20,7 @@ from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import check_messages, is_conversational
 from trainer.data.sources import dataset_label, load_rows, test_split_rows, train_rows
 from trainer.engine import distributed
-from trainer.engine.completions import (
-    prompt_token_ids,
-)
+from trainer.engine.completions import prompt_token_ids
 from trainer.engine.runner import StageRunner
 from trainer.errors import ConfigError, DataError
 from trainer.rewards.functions import load_reward_function, reward_names, score_completions
