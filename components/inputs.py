@@ -11,6 +11,7 @@ reward function fails here and not after SFT and the reward model have trained.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -73,8 +74,8 @@ def resolve_stage(stage: str, section: dict[str, Any], knobs: dict[str, Any], *,
               "output_dir": output_dir}
     config = config_from_dict(config_cls, values)
     multi.check(stage, config)  # (on the section's own values: `num_processes` is the launcher's to set)
-    ranks = multi.rank_options()
-    return (config_from_dict(config_cls, {**values, **ranks}) if ranks else config), multi, values
+    ranks = multi.rank_options()  # (canonical fields: no second parse, the same checks in __post_init__)
+    return (dataclasses.replace(config, **ranks) if ranks else config), multi, values
 
 
 def with_reward_model(config_cls, config: dict[str, Any], reward_model: str, weight: float) -> dict[str, Any]:

@@ -143,11 +143,10 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
         log.info("Checkpoints go to %s; a retry of this task resumes from the newest.", checkpoints)
         if multi.nodes > 1:
             trainjob.run_stage(stage, values, multi, output_dir=checkpoints)
+        elif launch.needs_launch(stage_config):
+            run_ranks(stage, stage_config)
         else:
-            if launch.needs_launch(stage_config):
-                run_ranks(stage, stage_config)
-            else:
-                stage_parts(stage)[1](stage_config)
+            stage_parts(stage)[1](stage_config)
     trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])

@@ -533,18 +533,14 @@ def job_name(stage: str) -> str:
 
 def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, output_dir: str, **wait: Any) -> None:
     """Train `stage` on `multi.nodes` nodes into `output_dir`: the task's checkpoint prefix in object storage, the
-    same for every attempt of the task, so a retry's job resumes from the newest checkpoint (`auto`)."""
-    from trainer.config.options import config_from_dict
-    from trainer.stages import stage_parts
-
+    same for every attempt of the task, so a retry's job resumes from the newest checkpoint (`auto`). `values`
+    and `multi` come from `components.inputs.resolve_stage`, which has checked them together."""
     values = {**remote_inputs(values), "output_dir": output_dir}
     if not storage.is_remote(output_dir):
         raise ConfigError(
             f"`nodes` > 1 trains in other pods, which write to object storage, but this task's checkpoints would go "
             f"to the local path {output_dir!r}. Run the pipeline with an s3:// pipeline root."
         )
-    config_cls, _ = stage_parts(stage)
-    multi.check(stage, config_from_dict(config_cls, values))
     submit_and_wait(render(stage, values, multi, name=job_name(stage)), **wait)
 
 
