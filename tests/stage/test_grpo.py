@@ -1,6 +1,6 @@
 """GRPO stage with the hf rollout engine: learns a toy task, trains every loss and estimator (RLOO included),
 resumes, logs completions for the report, scores with a classifier's label. Input checks that fail before
-training: tests/unit/trainer/test_grpo.py; shared-prompt attention: tests/unit/trainer/test_attention.py."""
+training: tests/unit/trainer/stages/rl/test_grpo.py; shared-prompt attention: tests/unit/trainer/engine/test_attention.py."""
 
 import json
 import math

@@ -1,5 +1,5 @@
 """Model cards of final checkpoints (the session's SFT checkpoint). Cards from a manifest alone and the checks
-before a push: tests/unit/trainer/test_hub.py; a real push: tests/e2e/test_chat_hub.py."""
+before a push: tests/unit/trainer/engine/test_hub.py; a real push: tests/e2e/test_chat_hub.py."""
 
 import json
 import shlex

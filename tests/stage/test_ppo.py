@@ -1,6 +1,6 @@
 """PPO stage with the hf rollout engine: learns the GRPO toy task, resumes exactly (value head or critic
 network included), trains and saves a critic started from a reward model, logs its completions. Config and
-critic checks that fail before training: tests/unit/trainer/test_ppo.py."""
+critic checks that fail before training: tests/unit/trainer/stages/rl/test_ppo.py."""
 
 from pathlib import Path
 

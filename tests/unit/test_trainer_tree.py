@@ -141,6 +141,14 @@ def test_the_engine_imports_no_stage():
             for t in edges if layer_of(t) in ("stages", "rewards", "rollout", "cli")] == []
 
 
+def test_the_unit_tests_mirror_the_package_tree():
+    """The unit tests of `trainer/X/y.py` live in tests/unit/trainer/X/: every folder there is a package of trainer/."""
+    tests = REPO / "tests" / "unit" / "trainer"
+    folders = [p.relative_to(tests) for p in tests.rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    assert folders and [str(f) for f in folders if not (REPO / "trainer" / f / "__init__.py").exists()] == []
+    assert [p.name for p in tests.glob("test_*.py")] == [], "put a unit test in the folder of the module it tests"
+
+
 @pytest.fixture
 def tree(tmp_path):
     def write(files: dict[str, str]) -> Path:

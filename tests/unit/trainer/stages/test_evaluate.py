@@ -51,7 +51,7 @@ def test_missing_model_path(prompts_file, tmp_path, no_generation):
 def test_bad_reward_function_specs(tiny_model, prompts_file, tmp_path, no_generation):
     with pytest.raises(ValueError, match="no_such_function"):
         run_evaluate(_config(tmp_path, model=tiny_model, dataset=prompts_file,
-                             reward_funcs=["tests.unit.trainer.test_evaluate:no_such_function"]))
+                             reward_funcs=["tests.unit.trainer.stages.test_evaluate:no_such_function"]))
     with pytest.raises(ValueError, match="Unknown reward function 'exact_answr'"):
         run_evaluate(_config(tmp_path, model=tiny_model, dataset=prompts_file, reward_funcs=["exact_answr"]))
     with pytest.raises(DataError, match="`answer` column"):

@@ -171,13 +171,13 @@ VALUES = {
 }
 # Fields whose effect needs a model, a forward pass or a run, so this test cannot see it; each names why and
 # where its effect is tested. A field missing from here that changes nothing below fails the test.
-_LOSS = "changes the loss or the update (a tensor): tests/unit/trainer/test_losses.py and the stage's unit tests"
-_ROLLOUT = "changes sampling or the rollout engine: tests/unit/trainer/test_rollout.py, tests/stage/test_grpo.py"
-_DATA = "changes how rows are tokenized, masked or packed: tests/unit/trainer/test_data.py, test_sft.py, test_dpo.py"
-_RUN = "checkpoints, logging or tracking during a run: tests/stage (resume, saving) and tests/unit/trainer/test_tracking.py"
-_MODEL = "loads or builds the model: tests/stage and tests/unit/trainer/test_models.py"
+_LOSS = "changes the loss or the update (a tensor): tests/unit/trainer/algorithms/test_losses.py and the stage's unit tests"
+_ROLLOUT = "changes sampling or the rollout engine: tests/unit/trainer/rollout/test_rollout.py, tests/stage/test_grpo.py"
+_DATA = "changes how rows are tokenized, masked or packed: tests/unit/trainer/data/test_data.py, tests/unit/trainer/stages/test_sft.py and test_dpo.py"
+_RUN = "checkpoints, logging or tracking during a run: tests/stage (resume, saving) and tests/unit/trainer/tracking/test_tracking.py"
+_MODEL = "loads or builds the model: tests/stage and tests/unit/trainer/engine/test_models.py"
 _SERVER = ("which rollout server the job uses and how long it waits for it: tests/e2e/test_rollout_server.py and "
-           "tests/unit/trainer/test_rollout_server_client.py")
+           "tests/unit/trainer/rollout/test_server_client.py")
 ALLOWED = {
     "model": _MODEL, "trust_remote_code": _MODEL, "dtype": _MODEL, "gradient_checkpointing": _MODEL,
     "lora_r": _MODEL, "lora_alpha": _MODEL, "lora_dropout": _MODEL, "lora_target_modules": _MODEL,
@@ -187,15 +187,15 @@ ALLOWED = {
     "dataset_config": _DATA + " (a hub or dataset-card configuration; test_trl_names.py)",
     "bf16": "autocast precision: the accelerator's mixed_precision (tests/stage/test_grpo.py) and the launch command",
     "fp16": "autocast precision in float16 with loss scaling: GPU only (tests/gpu)",
-    "max_grad_norm": _LOSS, "max_nonfinite_steps": _LOSS, "seed": "data order and sampling: tests/unit/trainer/test_data.py",
+    "max_grad_norm": _LOSS, "max_nonfinite_steps": _LOSS, "seed": "data order and sampling: tests/unit/trainer/data/test_data.py",
     "save_steps": _RUN, "save_minutes": _RUN, "save_total_limit": _RUN, "logging_steps": _RUN, "eval_steps": _RUN,
     "resume_from_checkpoint": _RUN, "resume_allow_changes": _RUN, "disable_progress_bar": _RUN,
     "stop_budget_seconds": "how long a stop on SIGTERM may take: seen only when a signal comes "
                            "(tests/e2e/test_faults.py::test_a_stop_that_misses_its_budget_says_so_and_leaves_the_previous_checkpoint)",
     "lora_merge_on_save": _RUN, "mlflow_experiment": _RUN, "mlflow_run_name": _RUN, "mlflow_parent_run_id": _RUN,
     "mlflow_tags": _RUN, "mlflow_log_checkpoint": _RUN, "output_dir": _RUN,
-    "push_to_hub": "checked before training and pushed after it: tests/unit/trainer/test_hub.py",
-    "hub_model_id": "tests/unit/trainer/test_hub.py", "hub_private_repo": "tests/unit/trainer/test_hub.py",
+    "push_to_hub": "checked before training and pushed after it: tests/unit/trainer/engine/test_hub.py",
+    "hub_model_id": "tests/unit/trainer/engine/test_hub.py", "hub_private_repo": "tests/unit/trainer/engine/test_hub.py",
     "num_sample_completions": _RUN, "sample_max_new_tokens": _RUN, "log_completions_steps": _RUN,
     "num_completions_to_log": _RUN,
     "center_rewards_coefficient": _LOSS, "beta": _LOSS, "loss_type": _LOSS, "label_smoothing": _LOSS,
