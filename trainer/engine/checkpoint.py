@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -178,17 +179,35 @@ def save_checkpoint(dest: str, model, tokenizer, manifest: dict[str, Any], histo
     return dest
 
 
+@contextlib.contextmanager
+def _bare_models() -> Iterator[None]:
+    """`save_pretrained` first unwraps its model with accelerate's helper, which imports DeepSpeed (and MLflow
+    with it) to recognise a DeepSpeed engine: ~1.2 s in every process that uses neither. Every model saved
+    here is a bare `PreTrainedModel` or `PeftModel` (the runner unwraps DDP and DeepSpeed first), for which
+    that unwrapping is the identity."""
+    from transformers import modeling_utils
+
+    real = modeling_utils.unwrap_model
+    modeling_utils.unwrap_model = lambda model, recursive=False: model
+    try:
+        yield
+    finally:
+        modeling_utils.unwrap_model = real
+
+
 def _write_folder(staging: Path, model, tokenizer, manifest, history, state, optimizer, scheduler, merge_lora,
                   heads, card) -> None:
     """Every file of a checkpoint but its marker, into the local folder `staging`."""
     staging.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(staging / STATE_DIR, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    with _bare_models():
+        model.save_pretrained(staging, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     for name, head in (heads or {}).items():
         if hasattr(head, "save_pretrained"):
-            head.save_pretrained(staging / name, safe_serialization=True)
+            with _bare_models():
+                head.save_pretrained(staging / name, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging / name)
             continue
@@ -294,7 +313,8 @@ def _save_merged(peft_model, tokenizer, dest: Path) -> None:
     import copy
 
     merged = copy.deepcopy(peft_model).merge_and_unload()
-    merged.save_pretrained(dest, safe_serialization=True)
+    with _bare_models():
+        merged.save_pretrained(dest, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(dest)
 
