@@ -102,3 +102,24 @@ def test_a_full_tmpdir_while_staging_an_object_store_checkpoint_is_one_line_nami
         distributed.save_engine_state(zero_accelerator(), FailingEngine(error), dest)
     assert not list(staging.iterdir())
     assert not ckpt.is_complete(dest) and not storage.filesystem(dest).exists(dest)
+
+
+def test_saving_a_model_loads_neither_deepspeed_nor_mlflow(tmp_path):
+    """transformers' `save_pretrained` unwraps with accelerate's helper, which imports DeepSpeed (and MLflow with it)
+    to recognise its engine: a second of every run that uses neither. A fresh process saves a whole checkpoint
+    without them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from trainer.engine import checkpoint as ckpt\n"
+        "model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,"
+        " num_attention_heads=2, num_key_value_heads=2))\n"
+        f"ckpt.save_checkpoint({str(tmp_path / 'out')!r}, model, None, {{}}, [])\n"
+        "print(sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert ckpt.is_complete(str(tmp_path / "out")) and (tmp_path / "out" / "model.safetensors").stat().st_size > 1000
