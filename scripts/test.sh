@@ -14,12 +14,13 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 .venv/bin/ruff check .
 
-# Coverage follows every Python sub-process (`patch = subprocess`), at about twice its CPU time. Ranks
-# other than 0 run the same code as rank 0, so they run untraced: this .pth, read before coverage's own
-# (a1_coverage.pth), takes the coverage settings out of their environment (and their children's).
+# Coverage follows every Python sub-process (`patch = subprocess`); ranks other than 0 and `accelerate launch`
+# run untraced (scripts/coverage_scope.py says why): two .pth files around coverage's own (a1_coverage.pth).
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo 'import os; os.environ.get("RANK", "0") != "0" and [os.environ.pop(k, None) for k in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")]' \
-    > "$site/a0_alignflow_rank0_coverage.pth"
+rm -f "$site/a0_alignflow_rank0_coverage.pth"  # (the single-file version before the launcher was left out)
+cp scripts/coverage_scope.py "$site/alignflow_coverage_scope.py"
+echo 'import alignflow_coverage_scope; alignflow_coverage_scope.before()' > "$site/a0_alignflow_coverage.pth"
+echo 'import alignflow_coverage_scope; alignflow_coverage_scope.after()' > "$site/a2_alignflow_coverage.pth"
 
 out=$(mkdir -p "${TEST_OUTPUT:-test-output}" && cd "${TEST_OUTPUT:-test-output}" && pwd)
 rm -f "$out"/durations.tsv "$out"/.coverage*
