@@ -459,13 +459,16 @@ def promotion_lock(client, model_name: str, wait_s: float = LOCK_WAIT_S, stale_s
                                                        "deleted when it is done.")
             break
         except MlflowException as err:
-            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            # (RESOURCE_DOES_NOT_EXIST: the server created the name, then found it gone before it set the tags)
+            if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
                 raise
         try:
             held = client.get_registered_model(name)
         except MlflowException:
             continue  # released in between: try again at once
-        since = float(held.tags.get(LOCK_SINCE_TAG) or 0)
+        # Its age from the server's creation time: the server sets the tags after it creates the name, so a lock
+        # being taken right now may not have them yet (read as age 0, it was broken as stale from under its holder).
+        since = held.creation_timestamp / 1000 if held.creation_timestamp else float(held.tags.get(LOCK_SINCE_TAG) or 0)
         if time.time() - since > stale_s:
             log.warning("Breaking the promotion lock of %s held by %s since %s (older than %.0f s: its promoter "
                         "died).", model_name, held.tags.get("alignflow.lock.holder", "?"),

@@ -322,3 +322,19 @@ def test_cli_promote_and_rollback(uri, client, tmp_path, capsys):
     assert "missing.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["promote", "--model-name", name, "--checkpoint", str(tmp_path / "c0")])  # no --metrics
+
+
+def test_a_lock_being_taken_is_not_broken_as_stale(uri, client):
+    """The server creates the lock's name before it sets its tags: a lock seen in between has no `since` tag. It
+    is as old as its creation, not as 1970 (a promoter racing another broke its fresh lock that way), and only a
+    lock older than `stale_s` is broken."""
+    from trainer.stages.promote import LOCK_SUFFIX, promotion_lock
+
+    name = "lock-race"
+    client.create_registered_model(name + LOCK_SUFFIX)  # a lock whose holder has not set its tags yet
+    with pytest.raises(RegistryError, match="has held its lock"), promotion_lock(client, name, wait_s=0.3):
+        pass
+    assert client.get_registered_model(name + LOCK_SUFFIX)  # still held
+    with promotion_lock(client, name, wait_s=0.3, stale_s=0.0):  # older than stale_s: broken, then taken
+        assert client.get_registered_model(name + LOCK_SUFFIX).tags["alignflow.lock.since"]
+    assert name + LOCK_SUFFIX not in {m.name for m in client.search_registered_models()}
