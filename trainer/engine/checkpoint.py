@@ -184,7 +184,7 @@ def _bare_models() -> Iterator[None]:
     """`save_pretrained` first unwraps its model with accelerate's helper, which imports DeepSpeed (and MLflow
     with it) to recognise a DeepSpeed engine: ~1.2 s in every process that uses neither. Every model saved
     here is a bare `PreTrainedModel` or `PeftModel` (the runner unwraps DDP and DeepSpeed first), for which
-    that unwrapping is the identity."""
+    that unwrapping is the identity. Decorates `_write_folder`, which does all the saving."""
     from transformers import modeling_utils
 
     real = modeling_utils.unwrap_model
@@ -195,19 +195,18 @@ def _bare_models() -> Iterator[None]:
         modeling_utils.unwrap_model = real
 
 
+@_bare_models()
 def _write_folder(staging: Path, model, tokenizer, manifest, history, state, optimizer, scheduler, merge_lora,
                   heads, card) -> None:
     """Every file of a checkpoint but its marker, into the local folder `staging`."""
     staging.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(staging / STATE_DIR, ignore_errors=True)
-    with _bare_models():
-        model.save_pretrained(staging, safe_serialization=True)
+    model.save_pretrained(staging, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     for name, head in (heads or {}).items():
         if hasattr(head, "save_pretrained"):
-            with _bare_models():
-                head.save_pretrained(staging / name, safe_serialization=True)
+            head.save_pretrained(staging / name, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging / name)
             continue
@@ -313,8 +312,7 @@ def _save_merged(peft_model, tokenizer, dest: Path) -> None:
     import copy
 
     merged = copy.deepcopy(peft_model).merge_and_unload()
-    with _bare_models():
-        merged.save_pretrained(dest, safe_serialization=True)
+    merged.save_pretrained(dest, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(dest)
 
