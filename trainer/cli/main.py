@@ -20,7 +20,9 @@ import logging
 import os
 import sys
 
-from trainer.stages import STAGES  # (the names only: it imports a stage's code when asked for it)
+# The stages `alignflow train` takes (trainer/stages/__init__.py maps them to their code; importing it
+# loads torch, so the command line reads it only when it trains).
+STAGE_NAMES = ("sft", "reward", "dpo", "grpo", "ppo")
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -283,7 +285,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser.add_argument("--version", action="version", version=f"alignflow {version()}")
     sub = parser.add_subparsers(dest="group", required=True)
     train = sub.add_parser("train", help="Run one training stage.", add_help=False)
-    train.add_argument("stage", nargs="?", choices=sorted(STAGES), help="The stage to run.")
+    train.add_argument("stage", nargs="?", choices=sorted(STAGE_NAMES), help="The stage to run.")
     sub.add_parser("model", help="Build or convert models (init-tiny, import-gguf).", add_help=False)
     sub.add_parser("eval", help="Evaluate a model on held-out prompts (rewards, accuracy, win rate, KL).",
                    add_help=False)
@@ -299,7 +301,7 @@ def run_group(args: argparse.Namespace, rest: list[str]) -> int:
     setup_logging()
     if args.group == "train":
         if args.stage is None:
-            print(f"usage: alignflow train {{{','.join(sorted(STAGES))}}} --config FILE.yaml [--<field> VALUE ...]")
+            print(f"usage: alignflow train {{{','.join(sorted(STAGE_NAMES))}}} --config FILE.yaml [--<field> VALUE ...]")
             return 0 if rest and rest[0] in ("-h", "--help") else 2
         return guarded(f"alignflow train {args.stage}", lambda argv: _train(args.stage, argv), rest)
     if args.group == "rollout-server":  # vLLM's own logging and signal handling: not `guarded`
