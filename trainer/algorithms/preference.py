@@ -3,6 +3,8 @@ Bradley-Terry loss. Inputs are summed log-probs of each completion's tokens, sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -10,8 +12,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.algorithms.masked import Stats
-
-DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"]
 
 
 def dpo_sigmoid(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float) -> Tensor:
@@ -72,6 +72,49 @@ def simpo(
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """One DPO `loss_type`: its per-pair loss [B] on the chosen and rejected terms [B], and what it reads.
+
+    The terms are each completion's log-ratio log πθ − log πref or, for a reference-free loss, the policy's
+    mean token log-prob; the implicit rewards are β times the terms (TRL's `DPOTrainer` and `CPOTrainer`)."""
+
+    per_pair: Callable[..., Tensor]  # (chosen, rejected, beta=, label_smoothing=, simpo_gamma=, *_lengths=) -> [B]
+    reference_free: bool = False
+    label_smoothing: bool = False  # reads ε
+    lengths: bool = False  # needs the completions' token counts
+
+
+# loss_type -> its loss; the keys are `DPOConfig.loss_type`'s choices.
+DPO_LOSSES: dict[str, PreferenceLoss] = {
+    "sigmoid": PreferenceLoss(lambda c, r, beta, **_: dpo_sigmoid(c, r, beta)),
+    "ipo": PreferenceLoss(lambda c, r, beta, chosen_lengths, rejected_lengths, **_:
+                          dpo_ipo(c, r, beta, chosen_lengths, rejected_lengths), lengths=True),
+    "hinge": PreferenceLoss(lambda c, r, beta, **_: dpo_hinge(c, r, beta)),
+    "robust": PreferenceLoss(lambda c, r, beta, label_smoothing, **_: dpo_robust(c, r, beta, label_smoothing),
+                             label_smoothing=True),
+    "apo_zero": PreferenceLoss(lambda c, r, beta, **_: dpo_apo_zero(c, r, beta)),
+    "simpo": PreferenceLoss(lambda c, r, beta, label_smoothing, simpo_gamma, **_:
+                            simpo(c, r, beta, simpo_gamma, label_smoothing),
+                            reference_free=True, label_smoothing=True, lengths=True),
+}
+DPOLossType = Literal[tuple(DPO_LOSSES)]
+
+
+def dpo_option_problem(loss_type: str, label_smoothing: float) -> str | None:
+    """What is wrong with a DPO loss's options, in a sentence, or None. The DPO config checks its options with it
+    before any work, and `dpo_loss` its arguments."""
+    if loss_type not in DPO_LOSSES:
+        return f"Unknown DPO loss_type '{loss_type}'; expected one of {', '.join(DPO_LOSSES)}."
+    if label_smoothing and not DPO_LOSSES[loss_type].label_smoothing:
+        users = " and ".join(name for name, loss in DPO_LOSSES.items() if loss.label_smoothing)
+        return (f"`label_smoothing` is only used by loss_type {users}; set it to 0 for loss_type {loss_type} "
+                f"(got {label_smoothing}).")
+    if not 0.0 <= label_smoothing < 0.5:
+        return f"`label_smoothing` must be in [0, 0.5), got {label_smoothing}."
+    return None
+
+
 def dpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
@@ -98,42 +141,26 @@ def dpo_loss(
     Stats: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (means over the batch),
     ``rewards/accuracies`` (fraction with r_w > r_l), and ``losses`` [B], the per-pair losses.
     """
-    if label_smoothing != 0.0 and loss_type not in ("robust", "simpo"):
-        raise ValueError(
-            f"label_smoothing={label_smoothing} is only used by loss_type 'robust' and 'simpo'; "
-            f"set it to 0.0 for loss_type '{loss_type}'."
-        )
-    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"loss_type 'robust' needs 0 <= label_smoothing < 0.5, got {label_smoothing}.")
-    if loss_type in ("ipo", "simpo") and (chosen_lengths is None or rejected_lengths is None):
+    problem = dpo_option_problem(loss_type, label_smoothing)
+    if problem:
+        raise ValueError(problem)
+    kind = DPO_LOSSES[loss_type]
+    if kind.lengths and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(
             f"loss_type '{loss_type}' normalises by completion length: pass chosen_lengths and rejected_lengths "
             "(token counts, [B]), or tensors of ones if the log-probs are already per-token means."
         )
-
-    if loss_type == "simpo":
-        chosen_avg = policy_chosen_logps / chosen_lengths.clamp(min=1)  # [B]
-        rejected_avg = policy_rejected_logps / rejected_lengths.clamp(min=1)  # [B]
-        losses = simpo(chosen_avg, rejected_avg, beta, simpo_gamma, label_smoothing)
-        chosen_rewards, rejected_rewards = beta * chosen_avg.detach(), beta * rejected_avg.detach()
-    else:
-        if ref_chosen_logps is None or ref_rejected_logps is None:
-            raise ValueError(f"loss_type '{loss_type}' needs ref_chosen_logps and ref_rejected_logps.")
-        chosen_lr = policy_chosen_logps - ref_chosen_logps  # [B]
-        rejected_lr = policy_rejected_logps - ref_rejected_logps  # [B]
-        if loss_type == "sigmoid":
-            losses = dpo_sigmoid(chosen_lr, rejected_lr, beta)
-        elif loss_type == "ipo":
-            losses = dpo_ipo(chosen_lr, rejected_lr, beta, chosen_lengths, rejected_lengths)
-        elif loss_type == "hinge":
-            losses = dpo_hinge(chosen_lr, rejected_lr, beta)
-        elif loss_type == "robust":
-            losses = dpo_robust(chosen_lr, rejected_lr, beta, label_smoothing)
-        elif loss_type == "apo_zero":
-            losses = dpo_apo_zero(chosen_lr, rejected_lr, beta)
-        else:
-            raise ValueError(f"Unknown DPO loss_type '{loss_type}'; expected one of {DPOLossType.__args__}.")
-        chosen_rewards, rejected_rewards = beta * chosen_lr.detach(), beta * rejected_lr.detach()
+    if kind.reference_free:  # the policy's mean token log-probs
+        chosen = policy_chosen_logps / chosen_lengths.clamp(min=1)  # [B]
+        rejected = policy_rejected_logps / rejected_lengths.clamp(min=1)  # [B]
+    elif ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError(f"loss_type '{loss_type}' needs ref_chosen_logps and ref_rejected_logps.")
+    else:  # the log-ratios
+        chosen = policy_chosen_logps - ref_chosen_logps  # [B]
+        rejected = policy_rejected_logps - ref_rejected_logps  # [B]
+    losses = kind.per_pair(chosen, rejected, beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+                           chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+    chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
 
     stats = {
         "rewards/chosen": chosen_rewards.mean(),

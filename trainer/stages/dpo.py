@@ -33,12 +33,12 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from trainer.algorithms.logprobs import TargetLM, selective_log_softmax, sequence_sums, target_logits
-from trainer.algorithms.preference import dpo_loss
+from trainer.algorithms.preference import DPO_LOSSES, DPOLossType, dpo_loss, dpo_option_problem
 from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import is_conversational
 from trainer.data.formatting import pack_best_fit
@@ -59,9 +59,6 @@ from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-REFERENCE_FREE = ("simpo",)
-
-
 @dataclass
 class DPOConfig(TrainConfig):
     """Direct preference optimisation on `prompt`/`chosen`/`rejected` pairs (text or chat)."""
@@ -70,7 +67,7 @@ class DPOConfig(TrainConfig):
                                         "usually want more.")
     beta: float = option(0.1, "Strength of the tie to the reference: higher keeps the policy closer "
                               "(β of https://arxiv.org/abs/2305.18290; τ of IPO; β of SimPO).")
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"] = option(
+    loss_type: DPOLossType = option(
         "sigmoid", "Preference loss: sigmoid (DPO), ipo (https://arxiv.org/abs/2310.12036), hinge (SLiC, "
                    "https://arxiv.org/abs/2305.10425), robust (https://arxiv.org/abs/2403.00409), apo_zero "
                    "(https://arxiv.org/abs/2408.06266), or simpo (reference-free, https://arxiv.org/abs/2405.14734).")
@@ -98,11 +95,8 @@ class DPOConfig(TrainConfig):
         super().validate()
         if self.beta <= 0:
             raise ConfigError(f"`beta` must be > 0, got {self.beta}.")
-        if self.label_smoothing and self.loss_type not in ("robust", "simpo"):
-            raise ConfigError(f"`label_smoothing` is only used by loss_type robust and simpo; set it to 0 for "
-                              f"loss_type {self.loss_type} (got {self.label_smoothing}).")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"`label_smoothing` must be in [0, 0.5), got {self.label_smoothing}.")
+        if problem := dpo_option_problem(self.loss_type, self.label_smoothing):
+            raise ConfigError(problem)
         if self.max_length < 2:
             raise ConfigError(f"`max_length` must be >= 2 (a prompt token and a reply token), got {self.max_length}.")
         if not 0 <= self.max_prompt_length < self.max_length:
@@ -110,9 +104,13 @@ class DPOConfig(TrainConfig):
                               f"keep at least one token (0 = half of it); got {self.max_prompt_length}.")
         if self.precompute_ref_batch_size < 0:
             raise ConfigError(f"`precompute_ref_batch_size` must be >= 0, got {self.precompute_ref_batch_size}.")
-        if self.loss_type in REFERENCE_FREE and (self.ref_model or self.precompute_ref_log_probs):
+        if self.reference_free and (self.ref_model or self.precompute_ref_log_probs):
             raise ConfigError(f"loss_type {self.loss_type} is reference-free: unset `ref_model` and "
                               "`precompute_ref_log_probs`.")
+
+    @property
+    def reference_free(self) -> bool:
+        return DPO_LOSSES[self.loss_type].reference_free
 
     @property
     def prompt_limit(self) -> int:
@@ -364,7 +362,7 @@ def evaluate(run: StageRunner, data: TokenizedPairs, reference: Reference, pad_i
     for part in run.rank_slice(len(data), run.config.eval_batch_size):
         batch = to_device(collate(data, list(part or range(1)), pad_id, pack_to), run.device)
         with run.accelerator.autocast():
-            ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "eval")
+            ref = None if config.reference_free else reference.logps(batch, "eval")
             sums = pair_loss(run.model, batch, ref, config)[1]  # an empty share still runs a forward (ZeRO-3)
         add_sums(total, {k: v * bool(len(part)) for k, v in sums.items()})
     run.module.train()
@@ -386,7 +384,7 @@ def train_step(run: StageRunner, data: TokenizedPairs, reference: Reference, pad
     for i, (batch, weight) in enumerate(micro):
         batch = to_device(batch, run.device)
         with run.micro_batch(last=i == len(micro) - 1):
-            ref = None if config.loss_type in REFERENCE_FREE else reference.logps(batch, "train")
+            ref = None if config.reference_free else reference.logps(batch, "train")
             loss, batch_sums = pair_loss(run.model, batch, ref, config)
             # The loss is a mean over the step's pairs on all ranks (x world size: gradients are averaged).
             run.backward(loss * (weight * batch.num_pairs / step_pairs * run.world))
@@ -406,7 +404,7 @@ def prepare_reference(run: StageRunner, model_path: str, train_data: TokenizedPa
     if config.precompute_ref_log_probs:
         saved = run.state.extra.get("ref_logps", {})  # from the checkpoint; recomputed if the data changed since
         reference.cache = {k: torch.tensor(v) for k, v in saved.items() if k in splits and len(v) == len(splits[k])}
-    if config.loss_type in REFERENCE_FREE or set(reference.cache) == set(splits):
+    if config.reference_free or set(reference.cache) == set(splits):
         return reference
     model, adapters_off = reference_model(config, model_path, run.module, not run.resume)
     if model is run.module:  # the policy itself (LoRA adapters off, or before its first step)

@@ -30,7 +30,7 @@ from trainer.algorithms.policy import (
     value_loss,
     value_stats,
 )
-from trainer.algorithms.preference import bradley_terry_loss, dpo_loss
+from trainer.algorithms.preference import DPO_LOSSES, bradley_terry_loss, dpo_loss
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -171,6 +171,28 @@ def test_dpo_rejects_unused_label_smoothing_and_missing_reference():
         dpo_loss(pc, pr, None, None, loss_type="sigmoid", beta=0.1)
     with pytest.raises(ValueError, match="Unknown"):
         dpo_loss(*pairs(), loss_type="kto", beta=0.1)
+
+
+@pytest.mark.parametrize("loss_type", list(DPO_LOSSES))
+def test_every_registered_dpo_loss_pulls_towards_the_chosen_reply(loss_type):
+    """Each loss in the registry, called by name with the options it reads, falls as the policy's chosen
+    log-prob rises and as its rejected one falls (pairs() sits inside every loss's active region: |βΔ| < 1)."""
+    pc, pr, rc, rr = pairs(requires_grad=True)
+    kind = DPO_LOSSES[loss_type]
+    loss, stats = dpo_loss(pc, pr, None if kind.reference_free else rc, None if kind.reference_free else rr,
+                           loss_type=loss_type, beta=0.1, label_smoothing=0.1 if kind.label_smoothing else 0.0,
+                           chosen_lengths=t(2.0, 3.0), rejected_lengths=t(3.0, 2.0))
+    loss.backward()
+    assert (pc.grad < 0).all() and (pr.grad > 0).all(), (pc.grad, pr.grad)
+    assert stats["losses"].shape == (2,) and torch.isfinite(loss)
+
+
+def test_the_dpo_config_offers_exactly_the_registered_losses():
+    import typing
+
+    from trainer.stages.dpo import DPOConfig
+
+    assert typing.get_args(typing.get_type_hints(DPOConfig)["loss_type"]) == tuple(DPO_LOSSES)
 
 
 # ---------------------------------------------------------------------------------------------
