@@ -142,7 +142,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     else:
         log.info("Checkpoints go to %s; a retry of this task resumes from the newest.", checkpoints)
         if multi.nodes > 1:
-            trainjob.run_stage(stage, values, multi, output_dir=checkpoints)
+            trainjob.run_stage(stage, stage_config, values, multi, output_dir=checkpoints)
         elif launch.needs_launch(stage_config):
             run_ranks(stage, stage_config)
         else:

@@ -304,13 +304,9 @@ def node_script(stage: str, multi: MultiNode) -> str:
     return f"set -euo pipefail\n{prepare}\nexec {shlex.join(launch)} {rank} {stage_cmd}"
 
 
-def rollout_server_args(stage: str, values: dict[str, Any], multi: MultiNode) -> list[str]:
-    """`alignflow rollout-server` options for the sidecar of a pod whose ranks train `stage` with `values`: the
-    length, dtype and memory share the trainer would give the server it starts itself (shared.start_engine)."""
-    from trainer.config.options import config_from_dict
-    from trainer.stages import stage_parts
-
-    config = config_from_dict(stage_parts(stage)[0], {k: v for k, v in values.items() if k != "output_dir"})
+def rollout_server_args(config, multi: MultiNode) -> list[str]:
+    """`alignflow rollout-server` options for the sidecar of a pod whose ranks train with the RL stage `config`:
+    the length, dtype and memory share the trainer would give the server it starts itself (shared.start_engine)."""
     dtype = "bfloat16" if multi.precision() == "bf16" else config.dtype
     return ["--host", "127.0.0.1", "--port", str(ROLLOUT_PORT),
             "--max_model_len", str(config.max_prompt_length + config.max_completion_length),
@@ -355,13 +351,14 @@ def secret_env() -> list[dict[str, Any]]:
 
 
 def render(
-    stage: str, values: dict[str, Any], multi: MultiNode, *, name: str, image: str = TRAINER_IMAGE
+    stage: str, config, values: dict[str, Any], multi: MultiNode, *, name: str, image: str = TRAINER_IMAGE
 ) -> dict[str, Any]:
-    """The TrainJob or PyTorchJob running `stage` with the stage config `values` on `multi.nodes` nodes."""
+    """The TrainJob or PyTorchJob running `stage` on `multi.nodes` nodes: its pods parse the stage config from
+    `values`, which `config` was resolved from (components.inputs.resolve_stage)."""
     gpus = multi.gpus_per_node
     sidecar = multi.rollout_gpus > 0 and values.get("rollout_engine") == "vllm-server"
     if sidecar:  # each pod's own server, beside the trainer (PyTorchJob)
-        server_args = rollout_server_args(stage, values, multi)
+        server_args = rollout_server_args(config, multi)
         values = {**values, "vllm_server_host": "127.0.0.1", "vllm_server_port": ROLLOUT_PORT}
     elif values.get("rollout_engine") == "vllm-server":
         # One more GPU per node, after the training ones, for the server the node's first rank starts.
@@ -531,17 +528,17 @@ def job_name(stage: str) -> str:
     return f"alignflow-{stage.replace('_', '-')}-{secrets.token_hex(4)}"
 
 
-def run_stage(stage: str, values: dict[str, Any], multi: MultiNode, *, output_dir: str, **wait: Any) -> None:
+def run_stage(stage: str, config, values: dict[str, Any], multi: MultiNode, *, output_dir: str, **wait: Any) -> None:
     """Train `stage` on `multi.nodes` nodes into `output_dir`: the task's checkpoint prefix in object storage, the
-    same for every attempt of the task, so a retry's job resumes from the newest checkpoint (`auto`). `values`
-    and `multi` come from `components.inputs.resolve_stage`, which has checked them together."""
+    same for every attempt of the task, so a retry's job resumes from the newest checkpoint (`auto`). `config`,
+    `values` and `multi` come from `components.inputs.resolve_stage`, which has checked them together."""
     values = {**remote_inputs(values), "output_dir": output_dir}
     if not storage.is_remote(output_dir):
         raise ConfigError(
             f"`nodes` > 1 trains in other pods, which write to object storage, but this task's checkpoints would go "
             f"to the local path {output_dir!r}. Run the pipeline with an s3:// pipeline root."
         )
-    submit_and_wait(render(stage, values, multi, name=job_name(stage)), **wait)
+    submit_and_wait(render(stage, config, values, multi, name=job_name(stage)), **wait)
 
 
 # ----------------------------------------------------------------------------------------------

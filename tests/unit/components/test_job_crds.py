@@ -14,7 +14,7 @@ import re
 import pytest
 import yaml
 
-from components import trainjob
+from components import inputs, trainjob
 from tests.helpers import CRDS, crd_validator, schema_errors
 
 STAGES = ("sft", "reward", "dpo", "grpo", "ppo")
@@ -29,15 +29,16 @@ def validators():
 
 
 def render(stage: str, kind: str, nodes: int, **keys):
-    multi, values = trainjob.split_config({"nodes": nodes, "gpus_per_node": 2, "job_kind": kind, **keys})
-    return trainjob.render(stage, {**values, **INPUTS}, multi, name=trainjob.job_name(stage))
+    section = {"nodes": nodes, "gpus_per_node": 2, "job_kind": kind, **keys}
+    config, multi, values = inputs.resolve_stage(stage, section, {}, **INPUTS)
+    return trainjob.render(stage, config, values, multi, name=trainjob.job_name(stage))
 
 
 def variants():
     for stage in STAGES:
         engines = ("hf", "vllm-server") if stage in ("grpo", "ppo") else (None,)
         for engine in engines:
-            for nodes in (1, 2):
+            for nodes in (2, 3):  # (one node trains in the pipeline's task: no job, and resolve_stage refuses job keys)
                 for kind in CRD_FILES:
                     keys = {"rollout_engine": engine, "vllm_gpu_memory_utilization": 0.3} if engine else {}
                     yield pytest.param(stage, kind, nodes, keys, id=f"{stage}-{engine or 'train'}-{nodes}node-{kind}")
@@ -55,7 +56,8 @@ def test_rendered_jobs_validate_against_the_published_crds(validators, stage, ki
         name = job["metadata"]["name"]
         assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63, name
     else:
-        assert set(job["spec"]["pytorchReplicaSpecs"]) == ({"Master", "Worker"} if nodes == 2 else {"Master"})
+        replicas = job["spec"]["pytorchReplicaSpecs"]
+        assert set(replicas) == {"Master", "Worker"} and replicas["Worker"]["replicas"] == nodes - 1
 
 
 def test_the_runtime_patch_targets_the_runtimes_node_job_and_container():

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from components import kubejob, runtime, trainjob
+from components import inputs, kubejob, runtime, trainjob
 from components.images import TRAINER_IMAGE
 from components.runtime import checkpoint_uri as runtime_checkpoint_uri  # the tests patch runtime's
 from components.settings import HUB_SECRET_ENV, SECRET_ENV
@@ -40,8 +40,8 @@ INPUTS = {
 
 
 def two_node_grpo(**overrides):
-    multi, values = trainjob.split_config({**GRPO, **overrides})
-    return trainjob.render("grpo", {**values, **INPUTS}, multi, name="alignflow-grpo-0123abcd"), multi
+    config, multi, values = inputs.resolve_stage("grpo", {**GRPO, **overrides}, {}, **INPUTS)
+    return trainjob.render("grpo", config, values, multi, name="alignflow-grpo-0123abcd"), multi
 
 
 def script_of(manifest) -> str:
