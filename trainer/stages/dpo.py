@@ -59,6 +59,7 @@ from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class DPOConfig(TrainConfig):
     """Direct preference optimisation on `prompt`/`chosen`/`rejected` pairs (text or chat)."""
