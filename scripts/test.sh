@@ -32,6 +32,10 @@ out=$(mkdir -p "${TEST_OUTPUT:-test-output}" && cd "${TEST_OUTPUT:-test-output}"
 rm -f "$out"/durations.tsv "$out"/.coverage*
 export ALIGNFLOW_TEST_DURATIONS=$out/durations.tsv COVERAGE_FILE=$out/.coverage
 started=$(date +%s)
+# All cores' busy and idle ticks (/proc/stat): whether the workers left a core waiting (more workers could help)
+# or kept every core computing (only less work can).
+cpu_ticks() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat 2>/dev/null || true; }
+ticks_before=$(cpu_ticks)
 status=0
 # Two workers (pytest-xdist): most tests wait on processes, servers and imports more than they compute, so
 # both cores stay busy; tests that share a module-scoped fixture run on one worker (tests/conftest.py).
@@ -39,6 +43,10 @@ status=0
 .venv/bin/python -m coverage run -m pytest -q -ra -n "${TEST_WORKERS:-2}" --dist loadgroup \
     --junitxml="$out/junit.xml" "$@" || status=$?
 echo "pytest wall: $(( $(date +%s) - started )) s"
+if [ -n "$ticks_before" ]; then
+    echo "$ticks_before $(cpu_ticks)" | awk '{busy = $3 - $1; idle = $4 - $2; if (busy + idle > 0)
+        printf "CPU busy during pytest: %.0f%% of all cores (idle or waiting on I/O: %.0f%%)\n", 100 * busy / (busy + idle), 100 * idle / (busy + idle)}'
+fi
 
 if [ -s "$out/durations.tsv" ]; then
     echo "--- slowest tests (all in $out/durations.tsv) ---"

@@ -116,7 +116,7 @@ def kfp_api(monkeypatch, tmp_path):
 
     def start(final_state: str = "SUCCEEDED") -> KfpStandIn:
         server = KfpStandIn(final_state)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # (shutdown waits a poll)
         servers.append(server)
         return server
 
