@@ -227,6 +227,14 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def serve_in_thread(server) -> None:
+    """Serve a stand-in `http.server` on a daemon thread, polling for `shutdown()` every 0.05 s (the default
+    0.5 s is a wait every test that stops one would pay)."""
+    import threading
+
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from Linux's /proc), also those in sessions of their own: torchrun starts each
     rank with `start_new_session`, so killing the launcher's process group leaves the ranks running."""
@@ -393,7 +401,6 @@ class HubStandIn:
 
     def __init__(self) -> None:
         import base64
-        import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         hub = self
@@ -458,7 +465,7 @@ class HubStandIn:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import untraced
+from tests.helpers import serve_in_thread, untraced
 
 SEAWEEDFS_START_TIMEOUT_S = 30
 MLFLOW_START_TIMEOUT_S = 90  # `mlflow server` answers /health after 10-35 s on this machine
@@ -392,7 +391,7 @@ class BasicAuthProxy:
         self._server.daemon_threads = True
         self.uri = f"http://127.0.0.1:{self._server.server_port}"
         self.uri_with_credentials = f"http://{user}:{password}@127.0.0.1:{self._server.server_port}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        serve_in_thread(self._server)
 
     def close(self) -> None:
         self._server.shutdown()

@@ -4,7 +4,6 @@ KFP v2beta1 REST API that refuses requests without the right bearer token or out
 from __future__ import annotations
 
 import json
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -12,6 +11,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from pipelines import cli
+from tests.helpers import serve_in_thread
 
 DEMO = "pipelines/configs/demo.yaml"
 TOKEN = "sa-token-abc123"
@@ -116,7 +116,7 @@ def kfp_api(monkeypatch, tmp_path):
 
     def start(final_state: str = "SUCCEEDED") -> KfpStandIn:
         server = KfpStandIn(final_state)
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # (shutdown waits a poll)
+        serve_in_thread(server)
         servers.append(server)
         return server
 

@@ -6,7 +6,6 @@ The real server is exercised in tests/e2e/test_rollout_server.py."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers import serve_in_thread
 from trainer.engine import distributed
 from trainer.engine.launch import free_port
 from trainer.errors import ConfigError, RolloutServerError
@@ -32,8 +32,7 @@ class StandIn(ThreadingHTTPServer):
         self.commits = 0
         self.requests: list[dict] = []
         super().__init__(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
-        self.thread.start()
+        serve_in_thread(self)
 
     @property
     def url(self) -> str:

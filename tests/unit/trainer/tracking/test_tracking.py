@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.helpers import serve_in_thread
 from trainer.config.options import TrainConfig
 from trainer.tracking.provenance import redact_secrets, redact_uri
 from trainer.tracking.tracker import (
@@ -127,7 +128,7 @@ def test_health_check_accepts_credentials_in_the_uri(dead_mlflow_uri):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_thread(server)
     try:
         assert unreachable_reason(f"http://bob:hunter2@127.0.0.1:{server.server_port}") is None
         assert seen == [("/health", None)]  # the probe sends no credentials
