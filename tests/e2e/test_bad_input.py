@@ -79,6 +79,11 @@ PROMPTS = {"sft": "demo:math_sft", "preferences": "demo:preferences", "prompts":
 CASES = [
     # --- training data ---------------------------------------------------------------------------------------
     Case("sft dataset missing", sft("--dataset", "{d}/nope.jsonl"), ("nope.jsonl", "does not exist")),
+    # On 2 ranks, before the launcher starts: not once per rank, after their start-up, in their own logs.
+    Case("sft dataset missing, 2 ranks", sft("--dataset", "{d}/nope.jsonl", "--num_processes", "2"),
+         ("nope.jsonl", "does not exist")),
+    Case("sft eval dataset missing, 2 ranks", sft("--eval_dataset", "{d}/nope-eval.jsonl", "--deepspeed", "zero2",
+                                                 "--num_processes", "2"), ("nope-eval.jsonl", "does not exist")),
     Case("sft dataset empty", sft("--dataset", "{d}/empty.jsonl"), ("empty.jsonl", "empty")),
     Case("sft wrong columns", sft("--dataset", "{d}/wrongcols.jsonl"), ("wrongcols.jsonl", "['foo']", "`text`")),
     Case("sft given preference data", sft("--dataset", "{d}/prefs.jsonl"), ("prefs.jsonl", "alignflow train dpo")),

@@ -137,6 +137,9 @@ def _train(stage: str, argv: list[str]) -> int:
     check_reward_specs(getattr(config, "reward_funcs", []))  # before any data or model loads
     extras.check_config(config)  # a missing extra (tracking URI without mlflow, ...) too
     if launch.needs_launch(config):
+        from trainer.data.sources import check_local_paths
+
+        check_local_paths(config)  # here, not in each rank after its start-up
         return launch.launch(stage, argv, config)
     try:
         out = run(config)

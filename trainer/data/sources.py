@@ -78,7 +78,7 @@ def load_rows(spec: str, split: str = "train", name: str | None = None) -> datas
             raise DataError(f"Could not parse {spec!r} as {builder}: {detail}") from err
     elif path.is_dir():
         ds = _load_dir(path, split)
-    elif spec.startswith((".", "/", "~")) or spec.count("/") > 1 or _builder_for(path):
+    elif _names_a_local_path(spec):
         raise DataError(f"Dataset path {spec!r} does not exist.")
     else:
         try:
@@ -89,6 +89,24 @@ def load_rows(spec: str, split: str = "train", name: str | None = None) -> datas
     if len(ds) == 0:
         raise DataError(f"Dataset {spec!r} is empty: it has columns {ds.column_names} but no rows.")
     return ds
+
+
+def _names_a_local_path(spec: str) -> bool:
+    """Whether `spec` (neither demo data nor a remote URI) can only be a local path, not a hub id."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or bool(_builder_for(Path(spec)))
+
+
+def check_local_paths(config) -> None:
+    """Fail on a local data path of `config` that does not exist (`dataset`, `eval_dataset`, the
+    `dataset_mixture` entries). `alignflow train` checks this before starting ranks, each of which would
+    otherwise fail on its own, seconds later and in its own log."""
+    specs = [config.dataset, getattr(config, "eval_dataset", None)]
+    if getattr(config, "dataset_mixture", None):
+        specs += [part.path for part in parse_mixture(config.dataset_mixture)]
+    for spec in filter(None, specs):
+        if not (spec == "demo" or spec.startswith("demo:") or is_remote(spec) or Path(spec).exists()) \
+                and _names_a_local_path(spec):
+            raise DataError(f"Dataset path {spec!r} does not exist.")
 
 
 @contextlib.contextmanager
