@@ -6,10 +6,6 @@ from pathlib import Path
 
 # 2-thread training slows 10-30x on a shared machine with OpenMP's default busy-wait; no hub.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# One compute thread per process (each worker and every process a test starts; torchrun gives ranks the same):
-# two workers already keep both cores busy, and on tiny models a second thread costs more in hand-offs than
-# it saves (tests/stage/test_dpo.py alone: 44 CPU-s with torch's default of one thread per core, 28 with one).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Tokenized data (and fetched files) are cached per test session, not in the user's ~/.cache/alignflow.
