@@ -78,9 +78,8 @@ def load_rows(spec: str, split: str = "train", name: str | None = None) -> datas
             raise DataError(f"Could not parse {spec!r} as {builder}: {detail}") from err
     elif path.is_dir():
         ds = _load_dir(path, split)
-    elif _names_a_local_path(spec):
-        raise DataError(f"Dataset path {spec!r} does not exist.")
     else:
+        check_local_path(spec)  # a hub id, then
         try:
             ds = datasets.load_dataset(spec, name, split=split)
         except Exception as err:
@@ -91,22 +90,24 @@ def load_rows(spec: str, split: str = "train", name: str | None = None) -> datas
     return ds
 
 
-def _names_a_local_path(spec: str) -> bool:
-    """Whether `spec` (neither demo data nor a remote URI) can only be a local path, not a hub id."""
-    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or bool(_builder_for(Path(spec)))
+def check_local_path(spec: str) -> None:
+    """Fail on a dataset `spec` that can only be a local path (not demo data, a remote URI or a hub id) and
+    does not exist."""
+    if spec == "demo" or spec.startswith("demo:") or is_remote(spec) or Path(spec).exists():
+        return
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or _builder_for(Path(spec)):
+        raise DataError(f"Dataset path {spec!r} does not exist.")
 
 
 def check_local_paths(config) -> None:
-    """Fail on a local data path of `config` that does not exist (`dataset`, `eval_dataset`, the
-    `dataset_mixture` entries). `alignflow train` checks this before starting ranks, each of which would
-    otherwise fail on its own, seconds later and in its own log."""
+    """`check_local_path` on every data path of `config` (`dataset`, `eval_dataset`, the `dataset_mixture`
+    entries). `alignflow train` runs this before starting ranks, each of which would otherwise fail on its
+    own, seconds later and in its own log."""
     specs = [config.dataset, getattr(config, "eval_dataset", None)]
     if getattr(config, "dataset_mixture", None):
         specs += [part.path for part in parse_mixture(config.dataset_mixture)]
     for spec in filter(None, specs):
-        if not (spec == "demo" or spec.startswith("demo:") or is_remote(spec) or Path(spec).exists()) \
-                and _names_a_local_path(spec):
-            raise DataError(f"Dataset path {spec!r} does not exist.")
+        check_local_path(spec)
 
 
 @contextlib.contextmanager
