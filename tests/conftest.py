@@ -1,6 +1,5 @@
 """Shared pytest setup. Server fixtures live in tests/servers.py (imported here)."""
 
-import inspect
 import os
 from pathlib import Path
 
@@ -16,14 +15,6 @@ if "ALIGNFLOW_CACHE" not in os.environ:
 
     os.environ["ALIGNFLOW_CACHE"] = tempfile.mkdtemp(prefix="alignflow-test-cache-")
     atexit.register(shutil.rmtree, os.environ["ALIGNFLOW_CACHE"], True)
-
-# kfp calls inspect.stack() in every resource setter of a pipeline task. `inspect` cannot tell which module
-# a frozen module's code belongs to (`<frozen runpy>` against a path in `__file__`), so each such frame (runpy
-# at the bottom of every stack under `python -m pytest`, importlib while a module imports) scans all of
-# sys.modules: with torch and transformers loaded (6,000+ modules) building a pipeline took seconds, not
-# 0.1 s. Naming those modules once gives `inspect` the answer it would have found.
-inspect.modulesbyfile.update({f"<frozen {name}>": name for name in
-                              ("runpy", "importlib._bootstrap", "importlib._bootstrap_external")})
 
 from tests.servers import (  # noqa: E402
     basic_auth_mlflow,
