@@ -104,6 +104,20 @@ def test_each_loss_type_with_kl_and_iterations_updates_weights(tiny_model, tmp_p
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
+def test_bias_corrected_kl_reaches_the_update(tiny_model, tmp_path):
+    """`use_bias_correction_kl` (TRL's default, on) multiplies each token's KL by the importance ratio: once the
+    policy has moved off the reference (the cycle's second optimizer step), the update differs from the plain k3
+    KL's. The loss itself: tests/unit/trainer/algorithms/test_losses.py; against TRL: benchmarks/parity.py."""
+    trained = {}
+    for corrected in (True, False):
+        out = tmp_path / f"corrected-{corrected}"
+        run_grpo(grpo_config(tiny_model, tmp_path, beta=0.5, num_iterations=2, max_steps=2, output_dir=str(out),
+                             use_bias_correction_kl=corrected))
+        trained[corrected] = load_file(out / "model.safetensors")
+        assert json.loads((out / ckpt.MANIFEST).read_text())["config"]["use_bias_correction_kl"] is corrected
+    assert max(float((trained[True][k] - trained[False][k]).abs().max()) for k in trained[True]) > 1e-6
+
+
 def test_lora_grpo_with_adapter_disabled_reference(tiny_model, tmp_path):
     run_grpo(grpo_config(tiny_model, tmp_path, lora_r=8, beta=0.1, max_steps=2))
     assert (tmp_path / "out" / "adapter_config.json").exists()

@@ -219,7 +219,6 @@ KNOWN: dict[str, Known] = {
                                                                  "normalised"),
     "delta": unset("two-sided clipping is not supported"),
     "off_policy_mask_threshold": unset("not supported"),
-    "use_bias_correction_kl": unset("not supported"),
     "top_entropy_quantile": only((1.0,), "entropy masking is not supported"),
     "entropy_coef": only((0, 0.0), "entropy bonuses are not supported"),
     "use_adaptive_entropy": unset("entropy bonuses are not supported"),

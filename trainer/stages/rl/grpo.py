@@ -89,6 +89,10 @@ class GRPOConfig(RolloutConfig):
     num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
     beta: float = option(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
                               "model, TRL's default). https://arxiv.org/abs/2402.03300")
+    use_bias_correction_kl: bool = option(True, "With beta > 0: multiply each token's KL by the importance ratio "
+                                                "(trainer over old policy), which makes the KL gradient the unbiased "
+                                                "reverse-KL gradient (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556; "
+                                                "TRL's default). false: the plain k3 KL of the GRPO paper.")
     epsilon: float = option(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
     epsilon_high: float | None = option(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
                                               "https://arxiv.org/abs/2503.14476")
@@ -227,7 +231,8 @@ def update(run: StageRunner, traj: Trajectory) -> dict[str, float]:
                     logps, old, traj.advantages[rows], mask, loss_type=config.loss_type, epsilon=config.epsilon,
                     epsilon_high=config.epsilon_high, ref_logps=traj.ref_logps[rows] if traj.ref_logps is not None
                     else None, beta=config.beta, max_completion_length=config.max_completion_length,
-                    num_items_in_batch=cycle_tokens, is_weights=is_weights)
+                    num_items_in_batch=cycle_tokens, is_weights=is_weights,
+                    use_bias_correction_kl=config.use_bias_correction_kl)
                 # dapo already divides by the whole cycle's tokens; the others average micro-batches.
                 contribution = loss if config.loss_type == "dapo" else loss / len(starts)
                 run.backward(contribution)

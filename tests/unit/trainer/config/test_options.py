@@ -202,7 +202,7 @@ ALLOWED = {
     "simpo_gamma": _LOSS, "precompute_ref_log_probs": _LOSS, "precompute_ref_batch_size": _RUN,
     "reward_funcs": _LOSS, "reward_weights": _LOSS, "reward_label": _LOSS, "reward_label_score": _LOSS,
     "num_generations": _ROLLOUT, "max_completion_length": _ROLLOUT, "temperature": _ROLLOUT, "top_p": _ROLLOUT,
-    "top_k": _ROLLOUT, "epsilon": _LOSS, "epsilon_high": _LOSS, "num_iterations": _LOSS, "advantage_estimator": _LOSS,
+    "top_k": _ROLLOUT, "epsilon": _LOSS, "epsilon_high": _LOSS, "use_bias_correction_kl": _LOSS, "num_iterations": _LOSS, "advantage_estimator": _LOSS,
     "scale_rewards": _LOSS, "mask_truncated_completions": _LOSS, "rollout_engine": _ROLLOUT,
     "vllm_gpu_memory_utilization": _ROLLOUT, "vllm_server_devices": _ROLLOUT, "importance_sampling_correction": _LOSS,
     "importance_sampling_cap": _LOSS, "share_prompt": _ROLLOUT, "vllm_server_host": _SERVER,
