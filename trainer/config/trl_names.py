@@ -209,10 +209,6 @@ KNOWN: dict[str, Known] = {
     "vllm_group_port": any_value("weights reach the rollout server over HTTP, not an NCCL group"),
     "vllm_max_model_length": any_value("set by alignflow from the stage's prompt and completion lengths"),
     "vllm_tensor_parallel_size": only((1,), "tensor parallelism of vLLM is not supported"),
-    "vllm_importance_sampling_mode": only(("token_truncate",), "alignflow's importance-sampling correction "
-                                                               "truncates token-level ratios at "
-                                                               "`importance_sampling_cap`"),
-    "vllm_importance_sampling_clip_min": unset("only an upper cap (`importance_sampling_cap`) is supported"),
     "importance_sampling_level": only(("token",), "importance ratios are per token (GSPO's sequence level is "
                                                   "not supported)"),
     "multi_objective_aggregation": only(("sum_then_normalize",), "rewards are weighted and summed, then "

@@ -47,7 +47,7 @@ from trainer.algorithms.advantages import (
 )
 from trainer.algorithms.logprobs import TargetLM, logit_temperature
 from trainer.algorithms.masked import nanstd
-from trainer.algorithms.policy import GRPOLossType, policy_loss, rollout_is_weights
+from trainer.algorithms.policy import GRPOLossType, ISMode, policy_loss, rollout_is_weights
 from trainer.config.options import option
 from trainer.data.sources import describe_datasets
 from trainer.engine import distributed
@@ -110,9 +110,16 @@ class GRPOConfig(RolloutConfig):
     importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
                                                          "rollout-engine probabilities (engine log-probs kept).",
                                                   aliases=("vllm_importance_sampling_correction",))
-    importance_sampling_cap: float = option(3.0, "Cap of that importance ratio (token level).",
+    importance_sampling_mode: ISMode = option(
+        "token_truncate", "How that ratio weights the loss: per token, or per completion (its tokens' log-ratios "
+                          "summed); clamped into [importance_sampling_min, importance_sampling_cap] (*_truncate) or "
+                          "zero outside it (*_mask). TRL's default is sequence_mask.",
+        aliases=("vllm_importance_sampling_mode",))
+    importance_sampling_cap: float = option(3.0, "Upper bound of that importance ratio.",
                                             aliases=("vllm_importance_sampling_cap",
                                                      "vllm_importance_sampling_clip_max"))
+    importance_sampling_min: float | None = option(None, "Lower bound of that importance ratio (unset = none).",
+                                                   aliases=("vllm_importance_sampling_clip_min",))
     share_prompt: bool = option(True, "Run each group's prompt through the model once per micro-batch instead of "
                                       "once per completion (completions see it through a block attention mask; "
                                       "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
@@ -130,6 +137,10 @@ class GRPOConfig(RolloutConfig):
                               f"num_generations = {self.num_generations}; change one of them.")
         if self.num_iterations < 1:
             raise ConfigError(f"`num_iterations` must be >= 1, got {self.num_iterations}.")
+        low = self.importance_sampling_min
+        if low is not None and not 0 <= low < self.importance_sampling_cap:
+            raise ConfigError(f"`importance_sampling_min` must be in [0, importance_sampling_cap = "
+                              f"{self.importance_sampling_cap}), got {low}.")
         if self.temperature == 0:
             raise ConfigError("`temperature` 0 samples greedily: every completion of a prompt is the same, so every "
                               "group advantage is 0 and GRPO learns nothing. Use a temperature > 0 (TRL's default "
@@ -205,6 +216,15 @@ def _shared_group(config: GRPOConfig) -> int:
     return G if config.share_prompt and config.per_device_batch_size % G == 0 else 0
 
 
+def engine_correction(config: GRPOConfig) -> dict | None:
+    """`rollout_is_weights`' options for the rollout engine's sampling mismatch, or None when the loss is not
+    corrected (the hf engine samples with the trainer's own weights, or the correction is off)."""
+    if not config.importance_sampling_correction or config.rollout_engine == "hf":
+        return None
+    return {"mode": config.importance_sampling_mode, "clip_min": config.importance_sampling_min,
+            "clip_max": config.importance_sampling_cap}
+
+
 def update(run: StageRunner, traj: Trajectory) -> dict[str, float]:
     """`num_iterations` optimizer steps over the trajectory's completions; returns this rank's means."""
     config, batch, size = run.config, traj.batch, run.config.per_device_batch_size
@@ -212,7 +232,7 @@ def update(run: StageRunner, traj: Trajectory) -> dict[str, float]:
     # here, because DDP / DeepSpeed average the ranks' gradients (TRL does the same).
     cycle_tokens = run.sum_over_ranks({"n": float(traj.loss_mask.sum())})["n"] / run.world
     starts = range(0, len(batch.input_ids), size)
-    correct_engine = config.importance_sampling_correction and config.rollout_engine != "hf"
+    correction = engine_correction(config)
     window = MetricWindow()
     for _ in range(config.num_iterations):
         step_stats, step_loss = MetricWindow(), 0.0
@@ -223,10 +243,9 @@ def update(run: StageRunner, traj: Trajectory) -> dict[str, float]:
                                          temperature=logit_temperature(config.temperature))
                 mask, old = traj.loss_mask[rows], traj.old_logps[rows] if traj.old_logps is not None else None
                 is_weights, is_stats = None, {}
-                if correct_engine:
+                if correction is not None:
                     is_weights, is_stats = rollout_is_weights(old if old is not None else logps.detach(),
-                                                              batch.rollout_logps[rows], mask, mode="token_truncate",
-                                                              clip_max=config.importance_sampling_cap)
+                                                              batch.rollout_logps[rows], mask, **correction)
                 loss, stats = policy_loss(
                     logps, old, traj.advantages[rows], mask, loss_type=config.loss_type, epsilon=config.epsilon,
                     epsilon_high=config.epsilon_high, ref_logps=traj.ref_logps[rows] if traj.ref_logps is not None

@@ -205,7 +205,7 @@ ALLOWED = {
     "top_k": _ROLLOUT, "epsilon": _LOSS, "epsilon_high": _LOSS, "use_bias_correction_kl": _LOSS, "num_iterations": _LOSS, "advantage_estimator": _LOSS,
     "scale_rewards": _LOSS, "mask_truncated_completions": _LOSS, "rollout_engine": _ROLLOUT,
     "vllm_gpu_memory_utilization": _ROLLOUT, "vllm_server_devices": _ROLLOUT, "importance_sampling_correction": _LOSS,
-    "importance_sampling_cap": _LOSS, "share_prompt": _ROLLOUT, "vllm_server_host": _SERVER,
+    "importance_sampling_cap": _LOSS, "importance_sampling_mode": _LOSS, "importance_sampling_min": _LOSS, "share_prompt": _ROLLOUT, "vllm_server_host": _SERVER,
     "vllm_server_port": _SERVER, "vllm_server_base_url": _SERVER, "vllm_server_timeout": _SERVER,
     "batch_size": _LOSS, "mini_batch_size": _LOSS, "ppo_epochs": _LOSS, "gamma": _LOSS, "lam": _LOSS,
     "cliprange": _LOSS, "cliprange_value": _LOSS, "vf_coef": _LOSS, "whiten_rewards": _LOSS, "init_kl_coef": _LOSS,

@@ -37,3 +37,24 @@ def test_truncation_mode_and_unsupported_eval_split(tiny_model, tmp_path):
                                                            truncation_mode="drop"))
     with pytest.raises(ConfigError, match="eval_split_ratio"):
         run_grpo(grpo_config(tiny_model, tmp_path, eval_split_ratio=0.1))
+
+
+def test_the_engine_correction_takes_every_importance_sampling_option(tiny_model, tmp_path):
+    """TRL's four importance-sampling modes and both bounds reach `rollout_is_weights` (its maths:
+    tests/unit/trainer/algorithms/test_losses.py); the hf engine, which samples with the trainer's weights, and
+    `importance_sampling_correction: false` get none."""
+    from trainer.config.options import parse_config
+    from trainer.stages.rl.grpo import GRPOConfig, engine_correction
+
+    config = parse_config(GRPOConfig, ["--model", tiny_model, "--dataset", "demo:math", "--use_vllm", "true",
+                                       "--vllm_importance_sampling_mode", "sequence_mask",
+                                       "--vllm_importance_sampling_clip_min", "0.5",
+                                       "--vllm_importance_sampling_clip_max", "2.0"])
+    assert engine_correction(config) == {"mode": "sequence_mask", "clip_min": 0.5, "clip_max": 2.0}
+    assert engine_correction(grpo_config(tiny_model, tmp_path, rollout_engine="vllm")) == {
+        "mode": "token_truncate", "clip_min": None, "clip_max": 3.0}
+    assert engine_correction(grpo_config(tiny_model, tmp_path)) is None  # hf
+    assert engine_correction(grpo_config(tiny_model, tmp_path, rollout_engine="vllm",
+                                         importance_sampling_correction=False)) is None
+    with pytest.raises(ConfigError, match=r"`importance_sampling_min` must be in \[0, importance_sampling_cap"):
+        grpo_config(tiny_model, tmp_path, importance_sampling_min=3.0)
