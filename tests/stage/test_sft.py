@@ -56,6 +56,30 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_model, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)  # Adam amplifies summation-order noise
 
 
+def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, tmp_path, monkeypatch):
+    """`padding_free`: each micro-batch's examples in one row, no pad token, with the padded batches' loss and
+    weights (float rounding apart); the packed row's attention: tests/unit/trainer/stages/test_sft.py."""
+    from trainer.stages import sft
+
+    trained_on, build = [], sft.micro_batch
+    monkeypatch.setattr(sft, "micro_batch", lambda *args: trained_on.append(build(*args)) or trained_on[-1])
+    runs = {}
+    for free in (False, True):
+        out = tmp_path / f"padding-free-{free}"
+        trained_on.clear()
+        run_sft(sft_config(tiny_model, out, padding_free=free, max_steps=3, per_device_batch_size=4,
+                           gradient_accumulation_steps=2, logging_steps=1))
+        assert len(trained_on) == 6 and {len(b.input_ids) for b in trained_on} == ({1} if free else {4})
+        runs[free] = (weights(out), [r["loss"] for r in history(out) if "loss" in r],
+                      [r["num_tokens"] for r in history(out) if "num_tokens" in r])
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    assert any(not torch.equal(runs[True][0][k], start[k]) for k in start)
+    for k in start:
+        torch.testing.assert_close(runs[True][0][k], runs[False][0][k], atol=1e-4, rtol=0, msg=k)
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-5)
+    assert runs[True][2] == runs[False][2]  # the same real tokens, none of them padding
+
+
 def test_packing_trains(tiny_model, tmp_path):
     out = tmp_path / "packed"
     run_sft(sft_config(tiny_model, out, packing=True, per_device_batch_size=2, max_length=256, max_steps=30))

@@ -506,8 +506,7 @@ def _yaml_to_argv(cls: type, overrides: dict[str, Any], source: str, flag_trl: d
             resolved[name], origin[name] = _trl_value(name, value), str(key)
     trl |= flag_trl or {}
     flag_fields = flag_fields or {}
-    translated = translate(trl, set(field_names(cls)), set(resolved) | set(flag_fields), note,
-                           values={**resolved, **flag_fields})
+    translated = translate(trl, set(field_names(cls)), set(resolved) | set(flag_fields), note)
     # TRL's `use_peft: false` means full fine-tuning even when the file also sets `lora_r`.
     forced = {"lora_r"} if trl.get("use_peft") is False or trl.get("use_peft") == 0 else set()
     resolved |= {k: v for k, v in translated.items() if k not in resolved or k in forced}

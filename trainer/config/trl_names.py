@@ -138,7 +138,7 @@ KNOWN: dict[str, Known] = {
     "dataloader_prefetch_factor": any_value(NO_WORKERS),
     "dataloader_drop_last": unset("not supported: the last, smaller batch of an epoch is trained on"),
     "remove_unused_columns": any_value("each stage reads the columns it needs; GRPO passes every column to rewards"),
-    "group_by_length": unset("not supported: use `packing` (SFT) or `padding_free` (DPO)"),
+    "group_by_length": unset("not supported: use `packing` or `padding_free` (SFT, DPO)"),
     "packing_strategy": only(("bfd",), "packing is always best-fit decreasing without cross-example attention"),
     "pad_to_multiple_of": unset("not supported"),
     "eos_token": unset("set the eos token in the tokenizer files of `model`"),
@@ -277,20 +277,16 @@ TRANSLATED = frozenset({"use_peft", "use_vllm", "vllm_mode", "warmup_steps", "ev
                         "padding_free"})
 TRL_TEST_SPLIT = "test"  # TRL's ScriptArguments default for `dataset_test_split`
 PADDING_FREE = ("`padding_free: true` asks for batches without padding; this stage pads its batches (padding-free "
-                "batches are DPO's only, and SFT's with `packing: true`, which packs examples into rows without "
-                "padding or attention across them): remove it")
+                "batches are SFT's and DPO's): remove it")
 
 TRL_LORA_R = 16  # TRL's ModelConfig default rank, used when `use_peft: true` comes without `lora_r`
 
 
-def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Callable[[str], None],
-              values: dict[str, Any] | None = None) -> dict[str, Any]:
+def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Callable[[str], None]) -> dict[str, Any]:
     """alignflow field values for TRL's `use_peft`, `use_vllm`/`vllm_mode`, `warmup_steps`, `eval_strategy` and
-    `padding_free` (on stages without the field).
+    `padding_free` (on stages without the field, which refuse it).
 
-    `fields` are the stage's field names, `given` the fields the user set themselves and `values` their values
-    where known."""
-    values = values or {}
+    `fields` are the stage's field names, `given` the fields the user set themselves."""
     out: dict[str, Any] = {}
     if "use_peft" in trl:
         if trl["use_peft"] and "lora_r" not in given:
@@ -311,10 +307,8 @@ def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Call
             note(f"use_vllm {str(bool(trl['use_vllm'])).lower()}"
                  f"{f' with vllm_mode {mode}' if trl['use_vllm'] else ''} is rollout_engine {out['rollout_engine']}")
     out.update(_warmup(trl, given))
-    if trl.get("padding_free") and values.get("packing") is not True:
-        raise ConfigError(PADDING_FREE + ".")
     if trl.get("padding_free"):
-        note("padding_free with packing: packed rows carry no padding")
+        raise ConfigError(PADDING_FREE + ".")
     for key in ("eval_strategy", "evaluation_strategy"):
         strategy = trl.get(key)
         if strategy in (None, "no"):

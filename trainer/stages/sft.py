@@ -42,6 +42,10 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
     packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
                               "(no attention across examples).")
+    padding_free: bool = option(False, "Put each micro-batch's examples into one row, position ids restarting "
+                                       "per example, instead of padding them to the longest (TRL's name; no "
+                                       "attention across examples). The same loss with less compute when lengths "
+                                       "vary. Rows of `packing` carry no padding either way.")
     num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
                                         "(0 = none).")
     sample_max_new_tokens: int = option(48, "Length of those sample completions.")
@@ -106,6 +110,14 @@ def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool
     if packed:
         return SFTBatch(input_ids, target_mask, None, position_ids)
     return SFTBatch(input_ids, target_mask, attention, None)
+
+
+def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: SFTConfig) -> SFTBatch:
+    """A micro-batch of `rows` (see `collate`): packed rows as they are; with `padding_free`, all of its examples
+    in one row; padded otherwise."""
+    if config.padding_free and not config.packing:
+        return collate(data, [[i for members in rows for i in members]], pad_id, packed=True)
+    return collate(data, rows, pad_id, config.packing)
 
 
 def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -174,7 +186,7 @@ def _prompt_texts(rows, tokenizer, n: int) -> list[str]:
 def train_step(run: StageRunner, units: list[list[int]], data: TokenizedSFT, pad_id: int) -> dict[str, float]:
     """One optimizer step over this rank's share of the step's micro-batches; returns the step's metrics."""
     step = run.state.global_step + 1
-    micro = [(collate(data, [units[u] for u in part.indices], pad_id, run.config.packing), part.weight)
+    micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config), part.weight)
              for part in run.rank_batches(len(units), step)]
     # The loss is summed over the step's target tokens on all ranks, divided by their number
     # (x world size: DDP and DeepSpeed average the ranks' gradients). collate zeroes position 0.
