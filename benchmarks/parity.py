@@ -20,8 +20,8 @@ diff) is within `--tolerance` (default 1e-5); otherwise its status says what dif
 the tokens when the loss targets do.
 
 Cases: SFT completion-only (padded and packed) and assistant-only, the latter with TRL's
-`{% generation %}` markers placed two ways (see MARKED_TEMPLATES); DPO sigmoid, ipo and hinge with a
-frozen reference, sigmoid with alignflow's padding-free layout, and with a precomputed reference (the
+`{% generation %}` markers placed two ways (see MARKED_TEMPLATES); DPO sigmoid, ipo, hinge, robust
+(label smoothing 0.1) and apo_zero with a frozen reference, sigmoid with alignflow's padding-free layout, and with a precomputed reference (the
 DPO policy is the model plus seeded noise, so that log-ratios are not all zero); the reward model's
 Bradley-Terry loss with and without `center_rewards_coefficient`; GRPO's policy loss (dapo) on fixed
 completions with given old and reference log-probs, without and with a KL term (`use_bias_correction_kl`
@@ -48,7 +48,8 @@ import common
 DEMO = common.REPO / "trainer" / "demo_data"
 RESULT = common.REPO / "benchmarks" / "results" / "parity.json"
 CASES = ("sft-completion", "sft-assistant", "sft-assistant-span", "sft-completion-packed",
-         "dpo-sigmoid", "dpo-ipo", "dpo-hinge", "dpo-sigmoid-padding-free", "dpo-sigmoid-precomputed",
+         "dpo-sigmoid", "dpo-ipo", "dpo-hinge", "dpo-robust", "dpo-apo_zero", "dpo-sigmoid-padding-free",
+         "dpo-sigmoid-precomputed",
          "reward", "reward-center", "grpo", "grpo-shared-prompts", "grpo-kl",
          "grpo-kl-trl-default")
 TRL_PIN = "pip install trl==1.16.0"
@@ -275,7 +276,8 @@ def sft_case(model, tokenizer, work: Path, *, markers: str | None, max_length: i
 
 
 def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, beta: float, max_length: int,
-             count: int, padding_free: bool = False, precompute: bool = False) -> dict[str, Any]:
+             count: int, padding_free: bool = False, precompute: bool = False,
+             label_smoothing: float = 0.0) -> dict[str, Any]:
     """One DPO step; alignflow padded as TRL (or packed with `padding_free`), the reference scored during the step
     (or before it with `precompute`: alignflow's cache of (chosen, rejected) sums, TRL's dataset columns)."""
     import datasets
@@ -290,7 +292,8 @@ def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, b
 
     # alignflow: TRL's layout (2B right-padded rows) or its default padding-free one (packed rows).
     config = OurDPOConfig(model=str(model_dir), dataset="parity", loss_type=loss_type, beta=beta,
-                          max_length=max_length, padding_free=padding_free, truncation_mode="keep_start")
+                          label_smoothing=label_smoothing, max_length=max_length, padding_free=padding_free,
+                          truncation_mode="keep_start")
     data = load_split(rows, "parity", tokenizer, config)
     pairs = list(range(len(data)))
     padded = collate(data, pairs, tokenizer.pad_token_id, pack_to=0)  # compared with TRL's batch
@@ -312,7 +315,8 @@ def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, b
     # TRL: the same policy, and a copy of the starting weights as its ref_model (both references identical).
     theirs = copy.deepcopy(policy)
     args = trl_args(DPOConfig, work, max_length=max_length, truncation_mode="keep_start", beta=beta,
-                    loss_type=[loss_type], precompute_ref_log_probs=precompute, eval_strategy="no",
+                    loss_type=[loss_type], label_smoothing=label_smoothing, precompute_ref_log_probs=precompute,
+                    eval_strategy="no",
                     dataset_num_proc=None)
     trainer = DPOTrainer(model=theirs, ref_model=copy.deepcopy(model), args=args, train_dataset=rows,
                          processing_class=tokenizer)
@@ -324,8 +328,8 @@ def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, b
     same = same_batch(padded.input_ids, inputs["input_ids"], padded.attention_mask, padded.completion_mask[:, 1:],
                       shift_mask)
     logprob_diff = float((our_logps - trl_logps).abs().max()) if our_logps.shape == trl_logps.shape else None
-    case = (f"{loss_type}, {'precomputed' if precompute else 'frozen'} reference"
-            + (", alignflow padding-free" if padding_free else ""))
+    case = (f"{loss_type}{f' (label_smoothing {label_smoothing})' if label_smoothing else ''}, "
+            f"{'precomputed' if precompute else 'frozen'} reference" + (", alignflow padding-free" if padding_free else ""))
     return row("dpo", case, same, logprob_diff,
                (float(loss_ours.detach()), float(loss_trl.detach())), (grad_norm(ours), grad_norm(theirs)),
                shared_metrics(metric_means(sums), trainer._metrics["train"]),
@@ -528,7 +532,9 @@ def main() -> None:
             "sft-assistant-span": lambda: sft_case(model, tokenizer, work, markers="span", **settings),
             "sft-completion-packed": lambda: sft_case(model, tokenizer, work, markers=None, packing=True, **settings),
             **{f"dpo-{t}": (lambda t=t: dpo_case(model, tokenizer, model_dir, work, loss_type=t, beta=args.beta,
-                                                   **settings)) for t in ("sigmoid", "ipo", "hinge")},
+                                                   **settings)) for t in ("sigmoid", "ipo", "hinge", "apo_zero")},
+            "dpo-robust": lambda: dpo_case(model, tokenizer, model_dir, work, loss_type="robust", beta=args.beta,
+                                           label_smoothing=0.1, **settings),
             "dpo-sigmoid-padding-free": lambda: dpo_case(model, tokenizer, model_dir, work, loss_type="sigmoid",
                                                          beta=args.beta, padding_free=True, **settings),
             "dpo-sigmoid-precomputed": lambda: dpo_case(model, tokenizer, model_dir, work, loss_type="sigmoid",
