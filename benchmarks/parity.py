@@ -20,14 +20,14 @@ diff) is within `--tolerance` (default 1e-5); otherwise its status says what dif
 the tokens when the loss targets do.
 
 Cases: SFT completion-only (padded and packed) and assistant-only, the latter with TRL's
-`{% generation %}` markers placed two ways (see MARKED_TEMPLATES); DPO sigmoid, ipo, hinge, robust
-(label smoothing 0.1) and apo_zero with a frozen reference, sigmoid with alignflow's padding-free layout, and with a precomputed reference (the
-DPO policy is the model plus seeded noise, so that log-ratios are not all zero); the reward model's
-Bradley-Terry loss with and without `center_rewards_coefficient`; GRPO's policy loss (dapo) on fixed
-completions with given old and reference log-probs, without and with a KL term (`use_bias_correction_kl`
-off, and at TRL's default, on, on both sides). Data: the first `--rows` rows of
-trainer/demo_data (sft.jsonl, chat.jsonl, preferences.jsonl). TRL is imported only when the script
-runs; without it the script exits naming `pip install trl==1.16.0`.
+`{% generation %}` markers placed two ways (see MARKED_TEMPLATES); DPO sigmoid, ipo, hinge, robust (label smoothing
+0.1) and apo_zero with a frozen reference, sigmoid with alignflow's padding-free layout, and with a
+precomputed reference (the DPO policy is the model plus seeded noise, so that log-ratios are not all
+zero); the reward model's Bradley-Terry loss with and without `center_rewards_coefficient` and with a
+`margin` column; GRPO's policy loss (dapo) on fixed completions with given old and reference log-probs,
+without and with a KL term (`use_bias_correction_kl` off, and at TRL's default, on, on both sides).
+Data: the first `--rows` rows of trainer/demo_data (sft.jsonl, chat.jsonl, preferences.jsonl). TRL is
+imported only when the script runs; without it the script exits naming `pip install trl==1.16.0`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ RESULT = common.REPO / "benchmarks" / "results" / "parity.json"
 CASES = ("sft-completion", "sft-assistant", "sft-assistant-span", "sft-completion-packed",
          "dpo-sigmoid", "dpo-ipo", "dpo-hinge", "dpo-robust", "dpo-apo_zero", "dpo-sigmoid-padding-free",
          "dpo-sigmoid-precomputed",
-         "reward", "reward-center", "grpo", "grpo-shared-prompts", "grpo-kl",
+         "reward", "reward-center", "reward-margin", "grpo", "grpo-shared-prompts", "grpo-kl",
          "grpo-kl-trl-default")
 TRL_PIN = "pip install trl==1.16.0"
 
@@ -341,24 +341,28 @@ def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, b
 
 
 def reward_case(model_dir: Path, tokenizer, work: Path, *, center: float | None, max_length: int,
-                count: int) -> dict[str, Any]:
+                count: int, margin: bool = False) -> dict[str, Any]:
+    """One Bradley-Terry step; with `margin`, the rows carry a `margin` column (0.5, 1.0, ...) that both subtract
+    from the score difference."""
     import datasets
     import torch
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
     from trainer.algorithms.preference import bradley_terry_loss
-    from trainer.data.preferences import load_pairs, tokenize_reward_pairs
+    from trainer.data.preferences import load_pairs, read_margins, tokenize_reward_pairs
     from trainer.stages.reward_model import collate, pair_rewards
 
-    rows = datasets.Dataset.from_list(read_rows("preferences.jsonl", count))
+    rows = datasets.Dataset.from_list([{**r, "margin": 0.5 * (i + 1)} if margin else r
+                                       for i, r in enumerate(read_rows("preferences.jsonl", count))])
     torch.manual_seed(0)  # the score head is new: initialise it once, then copy it to both sides
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
 
     ours = copy.deepcopy(model).train()
-    pairs, _ = load_pairs(rows, "parity", "reward", tokenizer)
-    data = tokenize_reward_pairs(pairs, None, tokenizer, "parity", max_length, "keep_end")
+    pairs, kept = load_pairs(rows, "parity", "reward", tokenizer)  # as the stage's `prepare`
+    data = tokenize_reward_pairs(pairs, read_margins(rows, kept, "parity"), tokenizer, "parity", max_length,
+                                 "keep_end")
     batch = collate(data, list(range(len(data))), tokenizer.pad_token_id)
     chosen, rejected = pair_rewards(ours, batch)
     loss_ours, stats = bradley_terry_loss(chosen, rejected, batch.margin, center)
@@ -376,7 +380,8 @@ def reward_case(model_dir: Path, tokenizer, work: Path, *, center: float | None,
     same = same_batch(batch.input_ids, inputs["input_ids"], batch.attention_mask, batch.attention_mask,
                       inputs["attention_mask"])
     score_diff = float((our_scores - trl_scores).abs().max()) if our_scores.shape == trl_scores.shape else None
-    case = "Bradley-Terry" + (f", center_rewards_coefficient {center}" if center is not None else "")
+    case = ("Bradley-Terry" + (f", center_rewards_coefficient {center}" if center is not None else "")
+            + (", margin column" if margin else ""))
     return row("reward", case, same, score_diff, (float(loss_ours.detach()), float(loss_trl.detach())),
                (grad_norm(ours), grad_norm(theirs)),
                shared_metrics({k: float(v) for k, v in stats.items()}, trainer._metrics["train"]),
@@ -541,6 +546,7 @@ def main() -> None:
                                                         beta=args.beta, precompute=True, **settings),
             "reward": lambda: reward_case(model_dir, tokenizer, work, center=None, **settings),
             "reward-center": lambda: reward_case(model_dir, tokenizer, work, center=0.01, **settings),
+            "reward-margin": lambda: reward_case(model_dir, tokenizer, work, center=None, margin=True, **settings),
             "grpo": lambda: grpo_case(model, tokenizer, work, beta=0.0, bias_correction=None, **settings),
             "grpo-shared-prompts": lambda: grpo_case(model, tokenizer, work, beta=0.0, bias_correction=None,
                                                      shared=True, **settings),
