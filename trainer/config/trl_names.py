@@ -282,7 +282,8 @@ PADDING_FREE = ("`padding_free: true` asks for batches without padding; this sta
 TRL_LORA_R = 16  # TRL's ModelConfig default rank, used when `use_peft: true` comes without `lora_r`
 
 
-def translate(trl: dict[str, Any], fields: set[str], given: set[str], note: Callable[[str], None]) -> dict[str, Any]:
+def translate(trl: dict[str, Any], fields: set[str], given: set[str],
+              note: Callable[[str], None]) -> dict[str, Any]:
     """alignflow field values for TRL's `use_peft`, `use_vllm`/`vllm_mode`, `warmup_steps`, `eval_strategy` and
     `padding_free` (on stages without the field, which refuse it).
 
