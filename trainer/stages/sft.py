@@ -42,10 +42,10 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
     packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
                               "(no attention across examples).")
-    padding_free: bool = option(False, "Put each micro-batch's examples into one row, position ids restarting "
-                                       "per example, instead of padding them to the longest (TRL's name; no "
-                                       "attention across examples). The same loss with less compute when lengths "
-                                       "vary. Rows of `packing` carry no padding either way.")
+    padding_free: bool = option(False, "Pack each micro-batch's examples into rows of at most `max_length` tokens, "
+                                       "position ids restarting per example, instead of padding each example to "
+                                       "the longest (TRL's name; no attention across examples). The same loss "
+                                       "with less compute when lengths vary; `packing` packs across the dataset.")
     num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
                                         "(0 = none).")
     sample_max_new_tokens: int = option(48, "Length of those sample completions.")
@@ -68,12 +68,7 @@ class SFTBatch:
     target_mask: torch.Tensor  # [B, T] 1 where the token is a loss target
     attention_mask: torch.Tensor | None  # [B, T] padded rows; None for packed rows
     position_ids: torch.Tensor | None  # [B, T] restarting per packed example; None when not packed
-
-    @property
-    def num_tokens(self) -> int:
-        if self.attention_mask is not None:
-            return int(self.attention_mask.sum())
-        return int((self.position_ids >= 0).sum())
+    num_tokens: int  # real tokens, padding excluded
 
 
 def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool) -> SFTBatch:
@@ -107,16 +102,19 @@ def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool
         # Padding continues as its own "example" so it never joins a real one's attention block.
         position_ids[r, :n] = torch.tensor(pos)
         position_ids[r, n:] = torch.arange(width - n)
+    num_tokens = sum(len(ids) for ids in seqs)
     if packed:
-        return SFTBatch(input_ids, target_mask, None, position_ids)
-    return SFTBatch(input_ids, target_mask, attention, None)
+        return SFTBatch(input_ids, target_mask, None, position_ids, num_tokens)
+    return SFTBatch(input_ids, target_mask, attention, None, num_tokens)
 
 
 def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: SFTConfig) -> SFTBatch:
-    """A micro-batch of `rows` (see `collate`): packed rows as they are; with `padding_free`, all of its examples
-    in one row; padded otherwise."""
+    """A micro-batch of `rows` (see `collate`): packed rows as they are; with `padding_free`, its examples packed
+    into rows of at most `max_length` tokens (best fit); padded otherwise."""
     if config.padding_free and not config.packing:
-        return collate(data, [[i for members in rows for i in members]], pad_id, packed=True)
+        examples = [i for members in rows for i in members]
+        fit = pack_best_fit([int(data.lengths[i]) for i in examples], config.max_length)
+        return collate(data, [[examples[j] for j in sorted(row)] for row in fit], pad_id, packed=True)
     return collate(data, rows, pad_id, config.packing)
 
 

@@ -1,5 +1,5 @@
-"""SFT batches without training: packed rows attend only within their example; a padding-free micro-batch is one
-row of its examples."""
+"""SFT batches without training: packed rows attend only within their example; a padding-free micro-batch is its
+examples packed into rows of at most max_length."""
 
 import torch
 
@@ -20,15 +20,26 @@ def test_packed_rows_do_not_attend_across_examples(tiny_model):
     torch.testing.assert_close(packed, unpacked, atol=1e-4, rtol=1e-5)
 
 
-def test_a_padding_free_micro_batch_is_one_row_of_its_examples_without_padding(tiny_model):
+def test_a_padding_free_micro_batch_packs_its_examples_into_rows_of_max_length(tiny_model):
     tokenizer = load_tokenizer(tiny_model)
-    data = tokenize_sft(load_rows("demo").select(range(4)), tokenizer, "demo", 128, "keep_start")
+    data = tokenize_sft(load_rows("demo").select(range(8)), tokenizer, "demo", 128, "keep_start")
+    model = load_causal_lm(tiny_model)
     pad = tokenizer.pad_token_id
-    config = SFTConfig(model=tiny_model, dataset="demo", padding_free=True)
-    free = micro_batch(data, [[0], [1], [2], [3]], pad, config)
-    padded = micro_batch(data, [[0], [1], [2], [3]], pad, SFTConfig(model=tiny_model, dataset="demo"))
-    lengths = [len(data.row(i)["input_ids"]) for i in range(4)]
-    assert free.input_ids.shape == (1, sum(lengths)) and free.attention_mask is None
-    assert free.position_ids[0].tolist() == [p for n in lengths for p in range(n)]
-    assert padded.input_ids.shape == (4, max(lengths)) and len(set(lengths)) > 1  # (so padding-free saves some)
-    assert free.num_tokens == padded.num_tokens and int(free.target_mask.sum()) == int(padded.target_mask.sum())
+    lengths = [len(data.row(i)["input_ids"]) for i in range(8)]
+    max_length = 2 * max(lengths)  # room for any two examples, not for all of them
+    config = SFTConfig(model=tiny_model, dataset="demo", padding_free=True, max_length=max_length)
+    free = micro_batch(data, [[i] for i in range(8)], pad, config)
+    padded = micro_batch(data, [[i] for i in range(8)], pad, SFTConfig(model=tiny_model, dataset="demo"))
+    assert free.attention_mask is None and 1 < len(free.input_ids) <= 4 and free.input_ids.shape[1] <= max_length
+    with torch.no_grad():  # every example exactly once, attending only to itself
+        torch.testing.assert_close(token_loss(model, free)[0], token_loss(model, padded)[0], atol=1e-4, rtol=1e-5)
+    assert free.num_tokens == padded.num_tokens == sum(lengths)
+    assert int(free.target_mask.sum()) == int(padded.target_mask.sum())
+
+
+def test_a_packed_batch_counts_only_its_real_tokens(tiny_model):
+    """Padding after a packed row continues the position ids as an example of its own; it is not a token."""
+    tokenizer = load_tokenizer(tiny_model)
+    data = tokenize_sft(load_rows("demo").select(range(3)), tokenizer, "demo", 128, "keep_start")
+    batch = collate(data, [[0, 1], [2]], tokenizer.pad_token_id, packed=True)
+    assert batch.input_ids.numel() > batch.num_tokens == sum(len(data.row(i)["input_ids"]) for i in range(3))
