@@ -76,7 +76,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
 
     imported = common.clock()
     probe = common.StageProbe(reward, "load_reward_model", lambda arguments, batch: {
-        "pairs": batch.num_pairs, "tokens": int(batch.attention_mask.sum())})
+        "pairs": batch.num_pairs, "tokens": batch.num_tokens})
     config = reward.RewardConfig(
         model=spec["model_path"], dataset=spec["train_path"], eval_dataset=spec["test_path"],
         output_dir=spec["out_dir"], num_epochs=spec["epochs"], max_steps=spec["steps"] or -1,

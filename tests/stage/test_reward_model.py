@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import history, write_jsonl
+from tests.helpers import history, weights, write_jsonl
 from trainer.data.preferences import reward_texts
 from trainer.engine import checkpoint as ckpt
 from trainer.engine.models import load_tokenizer
@@ -193,6 +193,54 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_model, agreement_data
     assert runs["a"][1]["loss"] == pytest.approx(runs["b"][1]["loss"], rel=1e-3)
 
 
+@pytest.mark.parametrize("lora_r", [0, 8])
+def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, agreement_data, tmp_path, monkeypatch,
+                                                                lora_r):
+    """`padding_free`: each micro-batch's 2B texts packed into fewer rows of at most `max_length`, with the padded
+    batches' losses and weights (float rounding apart) and the same real-token count, in full and through LoRA's
+    wrapper (adapters and the fully trained head); the packed rewards alone: tests/unit/trainer/stages/test_reward_model.py."""
+    trained_on, build = [], reward.collate
+    monkeypatch.setattr(reward, "collate", lambda *args, **kw: trained_on.append(build(*args, **kw)) or trained_on[-1])
+    runs = {}
+    for free in (False, True):
+        out = tmp_path / f"padding-free-{free}"
+        trained_on.clear()
+        # The stage's default learning rate: at 3e-3 Adam turns the rounding noise of near-zero gradients into
+        # updates of ~1e-3 (its step is about lr x sign(g) there).
+        run_reward(rm_config(tiny_model, agreement_data["train"], out, padding_free=free, max_steps=3,
+                             per_device_batch_size=4, gradient_accumulation_steps=2, logging_steps=1,
+                             learning_rate=1e-4, lora_r=lora_r))
+        assert len(trained_on) == 6 + 2 * free  # padding-free first compares 4 pairs packed and padded
+        micro = trained_on[-6:]
+        assert all(b.num_pairs == 4 for b in micro)
+        assert all(len(b.input_ids) < 8 and b.input_ids.shape[1] <= 64 and b.attention_mask is None
+                   for b in micro) if free else {len(b.input_ids) for b in micro} == {8}
+        records = history(out)
+        runs[free] = (weights(out), [r["loss"] for r in records], [r["num_tokens"] for r in records])
+    trained = runs[True][0]
+    if lora_r:
+        assert any("score" in k for k in trained) and all(trained[k].any() for k in trained if "lora_B" in k)
+    else:
+        start = load_file(Path(tiny_model) / "model.safetensors")
+        assert all(not torch.equal(trained[k], start[k]) for k in start), "every weight trains"
+    for k in trained:
+        torch.testing.assert_close(trained[k], runs[False][0][k], atol=1e-4, rtol=0, msg=k)
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-5)
+    assert runs[True][2] == runs[False][2]  # the same real tokens, none of them padding
+
+
+def test_padding_free_is_refused_when_attention_mixes_packed_texts(tiny_model, agreement_data, tmp_path,
+                                                                    monkeypatch):
+    """A model that ignores restarting position ids would let packed texts attend to each other: refused before
+    the first step, naming the option and its fix."""
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    with pytest.raises(reward.ConfigError, match="padding_free: LlamaForSequenceClassification.*`padding_free false`"):
+        run_reward(rm_config(tiny_model, agreement_data["train"], tmp_path / "mixed", padding_free=True, max_steps=2))
+    assert not (tmp_path / "mixed" / "model.safetensors").exists()
+
+
 def test_max_length_beyond_the_model_positions_names_the_field(tiny_bert, tmp_path):
     long = write_jsonl(tmp_path / "long.jsonl", [{"chosen": "apple " * 200 + "yes", "rejected": "apple " * 200 + "no"}])
     with pytest.raises(reward.ConfigError, match="max_length 128"):
@@ -302,6 +350,12 @@ def trained_bert(tiny_bert, agreement_data, tmp_path_factory) -> Path:
     run_reward(rm_config(tiny_bert, agreement_data["train"], out, eval_dataset=agreement_data["test"],
                          learning_rate=1e-2))
     return out
+
+
+def test_padding_free_refuses_an_encoder_before_training(tiny_bert, agreement_data, tmp_path):
+    with pytest.raises(reward.ModelError, match="BertForSequenceClassification.*Set `padding_free false`"):
+        run_reward(rm_config(tiny_bert, agreement_data["train"], tmp_path / "out", padding_free=True))
+    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_encoder_without_eos_trains_and_scores(tiny_bert, trained_bert, agreement_data):

@@ -138,7 +138,7 @@ KNOWN: dict[str, Known] = {
     "dataloader_prefetch_factor": any_value(NO_WORKERS),
     "dataloader_drop_last": unset("not supported: the last, smaller batch of an epoch is trained on"),
     "remove_unused_columns": any_value("each stage reads the columns it needs; GRPO passes every column to rewards"),
-    "group_by_length": unset("not supported: use `packing` or `padding_free` (SFT, DPO)"),
+    "group_by_length": unset("not supported: use `packing` or `padding_free` (SFT, DPO, reward)"),
     "packing_strategy": only(("bfd",), "packing is always best-fit decreasing without cross-example attention"),
     "pad_to_multiple_of": unset("not supported"),
     "eos_token": unset("set the eos token in the tokenizer files of `model`"),
@@ -277,7 +277,7 @@ TRANSLATED = frozenset({"use_peft", "use_vllm", "vllm_mode", "warmup_steps", "ev
                         "padding_free"})
 TRL_TEST_SPLIT = "test"  # TRL's ScriptArguments default for `dataset_test_split`
 PADDING_FREE = ("`padding_free: true` asks for batches without padding; this stage pads its batches (padding-free "
-                "batches are SFT's and DPO's): remove it")
+                "batches are SFT's, DPO's and the reward model's): remove it")
 
 TRL_LORA_R = 16  # TRL's ModelConfig default rank, used when `use_peft: true` comes without `lora_r`
 

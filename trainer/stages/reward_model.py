@@ -21,6 +21,13 @@ that `truncation_side`), where TRL drops them (`truncation_mode=drop` does that 
 text data alike get the eos rule above (TRL adds eos to text data only, and fails on tokenizers
 without one, like BERT's).
 
+With `padding_free`, each micro-batch's 2B sequences are packed into rows of at most `max_length`
+tokens (best fit) with position ids restarting per sequence and no attention mask, so that no
+sequence attends to another; the backbone runs over the packed rows and the score head only at
+each sequence's reward token (`sequence_rewards`). Same rewards as padded rows up to float
+rounding, less compute when lengths vary; causal LMs only (a check before training refuses models
+whose attention mixes packed sequences).
+
 Read top to bottom: config, batches, the stage (pairs are tokenized by `trainer.data.preferences`).
 """
 
@@ -35,10 +42,10 @@ import torch
 
 from trainer.algorithms.preference import bradley_terry_loss
 from trainer.config.options import TrainConfig, option
+from trainer.data.formatting import pack_best_fit
 from trainer.data.preferences import (
     TokenizedPairs,
     load_pairs,
-    pad_right,
     read_margins,
     tokenize_reward_pairs,
 )
@@ -71,6 +78,10 @@ class RewardConfig(TrainConfig):
               "(Eisenstein et al. 2023, arXiv:2312.09244; TRL suggests 0.01). Unset = off.")
     disable_dropout: bool = option(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
                                          "encoders ship with 0.1, so chosen and rejected would see different masks).")
+    padding_free: bool = option(False, "Pack each micro-batch's chosen and rejected texts into rows of at most "
+                                       "`max_length` tokens, position ids restarting per text, instead of padding each "
+                                       "to the longest (TRL's name; no attention across texts). The same rewards with "
+                                       "less compute when lengths vary. Causal LMs only: checked before training.")
 
     stage = "reward"
 
@@ -87,45 +98,147 @@ class RewardConfig(TrainConfig):
 
 @dataclass
 class PairBatch:
-    """B pairs as one batch of 2B sequences: the chosen texts first, then the rejected ones."""
+    """B pairs as 2B sequences: 0..B-1 the chosen texts, B..2B-1 the rejected ones.
 
-    input_ids: torch.Tensor  # [2B, T] right-padded
-    attention_mask: torch.Tensor  # [2B, T]
+    Padded (the default), sequence s is row s, right-padded to the longest. Padding-free, the
+    sequences are packed into fewer rows of at most `max_length` tokens with position ids
+    restarting per sequence and no attention mask (transformers then builds a block-diagonal
+    causal mask), and `last` says where each sequence's reward is read.
+    """
+
+    input_ids: torch.Tensor  # [R, T]
+    attention_mask: torch.Tensor | None  # [R, T] padded rows; None when packed
+    position_ids: torch.Tensor | None  # [R, T] restarting per sequence when packed; None when padded
+    last: torch.Tensor | None  # [2B, 2] (row, column) of each sequence's reward token when packed; None when padded
     margin: torch.Tensor | None  # [B]
-
-    @property
-    def num_pairs(self) -> int:
-        return self.input_ids.shape[0] // 2
+    num_pairs: int
+    num_tokens: int  # real tokens, padding excluded
 
 
-def collate(data: TokenizedPairs, indices: list[int], pad_id: int) -> PairBatch:
+def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int = 0) -> PairBatch:
+    """Pad to the longest sequence of this batch, or with `pack_to` > 0 pack the sequences into rows
+    of at most `pack_to` tokens (best fit, longest first).
+
+    A packed sequence's reward is read where a padded row's is: transformers takes the last token
+    that is not `pad_id` (so where pad == eos, the token before a final eos, as in TRL).
+    """
     seqs = ([data.prompt_ids[i] + data.chosen_ids[i] for i in indices]
             + [data.prompt_ids[i] + data.rejected_ids[i] for i in indices])
-    input_ids, attention = pad_right(seqs, pad_id)
+    rows = pack_best_fit([len(s) for s in seqs], pack_to) if pack_to else [[s] for s in range(len(seqs))]
+    width = max(sum(len(seqs[s]) for s in members) for members in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    last = torch.zeros((len(seqs), 2), dtype=torch.long)
+    for r, members in enumerate(rows):
+        start = 0
+        for s in members:
+            end = start + len(seqs[s])
+            input_ids[r, start:end] = torch.tensor(seqs[s])
+            attention[r, start:end] = 1
+            position_ids[r, start:end] = torch.arange(end - start)
+            last[s] = torch.tensor([r, start + _last_non_pad(seqs[s], pad_id)])
+            start = end
+        # Padding continues as its own "sequence" so it never joins a real one's attention block.
+        position_ids[r, start:] = torch.arange(width - start)
     margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
-    return PairBatch(input_ids, attention, margin)
+    num_tokens = sum(len(s) for s in seqs)
+    if pack_to:
+        return PairBatch(input_ids, None, position_ids, last, margin, len(indices), num_tokens)
+    return PairBatch(input_ids, attention, None, None, margin, len(indices), num_tokens)
 
 
-def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """One scalar reward per row. [N, T] -> [N] (float32)"""
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+def _last_non_pad(ids: list[int], pad_id: int) -> int:
+    """Index of the last token that is not `pad_id` (0 if none), as transformers' sequence classifiers find it."""
+    return next((j for j in reversed(range(len(ids))) if ids[j] != pad_id), 0)
+
+
+def packed_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone, score head) of a causal-LM reward model, through a PEFT wrapper: what `padding_free` runs apart."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+    head = getattr(lm, "score", None)
+    if (not isinstance(backbone, torch.nn.Module) or backbone is lm or not isinstance(head, torch.nn.Module)
+            or getattr(lm.config, "is_encoder_decoder", False)):
+        raise ModelError(f"`padding_free` reads each packed text's reward at its last token, through a causal LM's "
+                         f"backbone and `score` head; {type(lm).__name__} has no such pair (encoders read a pooled "
+                         "first token and attend across packed texts). Set `padding_free false`.")
+    return backbone, head
+
+
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+    """One scalar reward per sequence (float32). Padded rows [2B, T] -> [2B]: the model's own forward, which
+    reads each row at its last non-pad token. Packed rows [R, T] -> [2B]: the backbone over the rows, then the
+    score head at `last` [2B, 2] (a linear map per position: the same numbers as scoring every position)."""
+    if isinstance(model, PackedRewards) or isinstance(getattr(model, "module", None), PackedRewards):
+        # Prepared by accelerate (DDP, DeepSpeed): through the wrapper's forward, where its hooks live.
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, last=last)
+    if position_ids is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+    backbone, head = packed_parts(model)
+    # No cache: transformers finds packed sequences in the position ids only without one.
+    hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # [R, T, H]
+    return head(hidden[last[:, 0], last[:, 1]]).squeeze(-1).float()  # [2B]
+
+
+class PackedRewards(torch.nn.Module):
+    """A reward model whose forward is `sequence_rewards`: the module handed to `accelerate.prepare` with
+    `padding_free`. Packed rows run the backbone and the head apart, which would bypass DDP's gradient
+    all-reduce and DeepSpeed ZeRO-3's parameter gathering (both rooted at the prepared module's forward);
+    wrapped, they keep both. `rm` is the model itself (saved as usual through `StageRunner.module`)."""
+
+    def __init__(self, rm: torch.nn.Module) -> None:
+        super().__init__()
+        self.rm = rm
+        self.config = rm.config  # accelerate sizes DeepSpeed's "auto" buckets from it
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rm.dtype
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+        return sequence_rewards(self.rm, input_ids, attention_mask, position_ids, last)
 
 
 def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of the chosen and the rejected texts, [B] each, from one forward of 2B rows."""
-    chosen, rejected = sequence_rewards(model, batch.input_ids, batch.attention_mask).chunk(2)
+    """Rewards of the chosen and the rejected texts, [B] each, from one forward over the batch's rows."""
+    rewards = sequence_rewards(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.last)
+    chosen, rejected = rewards.chunk(2)
     return chosen, rejected
 
 
+def check_packed_rewards(model, data: TokenizedPairs, pad_id: int, pack_to: int, device="cpu") -> None:
+    """Refuse `padding_free` when `model` scores packed texts differently from padded ones, i.e. its
+    attention does not build the block-diagonal mask from restarting position ids (transformers'
+    decoders do; some remote-code models do not). Checked on the shortest few pairs, which pack
+    several texts per row and cost little to score twice."""
+    indices = sorted(range(len(data)), key=data.pair_length)[:4]
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+        padded = torch.cat(pair_rewards(model, to_device(collate(data, indices, pad_id), device)))
+        packed = torch.cat(pair_rewards(model, to_device(collate(data, indices, pad_id, pack_to), device)))
+    model.train(was_training)
+    error = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    if error > tolerance:
+        inner = getattr(model, "module", model)
+        raise ConfigError(f"padding_free: {type(getattr(inner, 'rm', inner)).__name__} scores packed texts "
+                          f"differently from padded ones (relative error {error:.3g}): its attention does not keep "
+                          "packed texts apart. Set `padding_free false`.")
+
+
 @torch.no_grad()
-def evaluate(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, float]:
+def evaluate(run: StageRunner, data: TokenizedPairs, pad_id: int, pack_to: int) -> dict[str, float]:
     """Loss and statistics over the whole eval set (not a mean of batch means); each rank scores its share."""
     from accelerate.utils import gather_object
 
     run.module.eval()
     chosen, rejected = [], []
     for part in run.rank_slice(len(data), run.config.eval_batch_size):
-        batch = to_device(collate(data, list(part or range(1)), pad_id), run.device)
+        batch = to_device(collate(data, list(part or range(1)), pad_id, pack_to), run.device)
         with run.accelerator.autocast():
             c, r = pair_rewards(run.model, batch)  # an empty share still runs one forward (ZeRO-3)
         if len(part):
@@ -153,10 +266,11 @@ def _score_head(model) -> str:
 # The stage
 
 
-def train_step(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str, float]:
+def train_step(run: StageRunner, data: TokenizedPairs, pad_id: int, pack_to: int) -> dict[str, float]:
     """One optimizer step over this rank's share of the step's pairs; returns the step's metrics."""
     step = run.state.global_step + 1
-    micro = [(collate(data, part.indices, pad_id), part.weight) for part in run.rank_batches(len(data), step)]
+    micro = [(collate(data, part.indices, pad_id, pack_to), part.weight)
+             for part in run.rank_batches(len(data), step)]
     step_pairs = run.sum_over_ranks({"n": sum(w * b.num_pairs for b, w in micro)})["n"]
     sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward", "tokens"), 0.0)
     low, high = math.inf, -math.inf
@@ -170,7 +284,7 @@ def train_step(run: StageRunner, data: TokenizedPairs, pad_id: int) -> dict[str,
             run.backward(loss * share * run.world)
         for key, value in (("loss", loss.detach()), *((k, stats[k]) for k in ("accuracy", "margin", "mean_reward"))):
             sums[key] += float(value) * share
-        sums["tokens"] += weight * int(batch.attention_mask.sum())
+        sums["tokens"] += weight * batch.num_tokens
         if weight:
             low, high = min(low, float(stats["min_reward"])), max(high, float(stats["max_reward"]))
     grad_norm = run.optimizer_step()
@@ -216,6 +330,8 @@ def run_reward(config: RewardConfig) -> str:
     if positions and longest > positions:
         raise ConfigError(f"`max_length` is {config.max_length} and texts of {longest} tokens remain, but "
                           f"{config.model} has {positions} positions: pass --max_length {positions} or less.")
+    if config.padding_free:
+        packed_parts(model)  # a causal LM with a `score` head, or refused before training
     if config.disable_dropout:
         disable_dropout(model)
     if config.lora_r and not resume:
@@ -226,13 +342,17 @@ def run_reward(config: RewardConfig) -> str:
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
     with run.failing():
         run.prepare(model, tokenizer, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
-                                                    {"pairs": len(eval_data)} if eval_data is not None else None))
+                                                    {"pairs": len(eval_data)} if eval_data is not None else None),
+                    wrap=PackedRewards if config.padding_free else None)
+        pad_id = tokenizer.pad_token_id
+        pack_to = config.max_length if config.padding_free else 0
+        if pack_to:
+            check_packed_rewards(run.model, train_data, pad_id, pack_to, run.device)
 
         # 3. The loop.
-        pad_id = tokenizer.pad_token_id
-        evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
+        evaluate_now = (lambda: evaluate(run, eval_data, pad_id, pack_to)) if eval_data else None
         while run.state.global_step < steps:
-            run.end_step(train_step(run, train_data, pad_id), len(train_data), evaluate_now)
+            run.end_step(train_step(run, train_data, pad_id, pack_to), len(train_data), evaluate_now)
 
         # 4. Final evaluation and the model.
         run.final_evaluation(evaluate_now)

@@ -140,7 +140,6 @@ def test_trl_eval_strategy_decides_whether_dataset_test_split_is_read(splits, tm
 
 
 @pytest.mark.parametrize("stage, values, words", [
-    ("reward", {"padding_free": True}, "this stage pads its batches"),
     ("grpo", {"padding_free": True}, "this stage pads its batches"),
     ("grpo", {"vllm_enable_sleep_mode": True}, "sleep mode is not implemented"),
 ])
@@ -149,9 +148,10 @@ def test_options_alignflow_cannot_honour_are_rejected_in_one_line(stage, values,
     with pytest.raises(ConfigError, match=words) as err:
         _config(stage, dataset=dataset, **values)
     assert "\n" not in str(err.value)
-    # SFT's and DPO's own `padding_free`: accepted, with or without packing; so is sleep mode off.
+    # SFT's, DPO's and the reward model's own `padding_free`: accepted, with or without packing; so is sleep mode off.
     assert _config("sft", dataset="demo", packing=True, padding_free=True).packing
     assert _config("sft", dataset="demo", padding_free=True).padding_free
+    assert _config("reward", dataset="demo", padding_free=True).padding_free
     _config("grpo", dataset="demo:math", vllm_enable_sleep_mode=False)
 
 
