@@ -200,11 +200,14 @@ DEMO_DATA = ROOT / "trainer" / "demo_data"
 
 
 def train_cli(stage: str, *args: str, timeout: float = 900, env: dict | None = None,
-              check: bool = True) -> subprocess.CompletedProcess:
+              check: bool = True, traced: bool = True) -> subprocess.CompletedProcess:
     """`python -m trainer.cli train STAGE ARGS` from the repository root (`--num_processes` in ARGS
-    makes it start the ranks through `accelerate launch`); fails with the output's tail unless it exits 0."""
+    makes it start the ranks through `accelerate launch`); fails with the output's tail unless it exits 0.
+    `traced=False` runs it without scripts/test.sh's coverage (`untraced`)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("MLFLOW_TRACKING_URI", None)
+    if not traced:
+        full_env = untraced(full_env)
     done = subprocess.run([sys.executable, "-m", "trainer.cli", "train", stage, *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check:
@@ -254,8 +257,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def untraced(env: dict[str, str]) -> dict[str, str]:
-    """`env` without scripts/test.sh's coverage settings, for a process whose coverage data would be lost or empty:
-    one the test will SIGKILL (coverage.py saves at exit), or a server that runs none of alignflow's code."""
+    """`env` without scripts/test.sh's coverage settings, for a process whose coverage data would be lost, empty or
+    a repeat: one the test will SIGKILL (coverage.py saves at exit), a server that runs none of alignflow's code,
+    or a one-process reference run (tests/references.py)."""
     return {k: v for k, v in env.items() if k not in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")}
 
 

@@ -4,6 +4,7 @@ scripts/setup.sh has torch only there), python3 otherwise, and an explicit PYTHO
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,33 @@ def test_gpu_check_runs_a_valid_config_of_every_stage(tmp_path):
                 assert command[3:5] == ["train", stage]
                 config = parse_config(stage_parts(stage)[0], command[5:])
                 assert (config.max_steps, config.bf16, config.num_processes) == (3, cuda, 2 if extra else 1)
+
+
+def test_coverage_scope_traces_the_projects_imports_and_not_other_packages(tmp_path):
+    """scripts/coverage_scope.py: under a tracer, importing another package runs untraced; importing the
+    project's own module, and the importing frame's next lines, stay traced."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(REPO / 'scripts')!r}, {str(REPO)!r}]\n"
+        "import coverage_scope\n"
+        "seen = set()\n"
+        "def trace(frame, event, arg):\n"
+        "    seen.add((frame.f_code.co_filename, event, frame.f_lineno))\n"
+        "    return trace\n"
+        "def body():\n"
+        "    import xml.dom.minidom  # not imported at start-up\n"
+        "    after = 1\n"
+        "    import trainer.errors\n"
+        "    return after\n"
+        "coverage_scope._untraced_imports()\n"
+        "sys.settrace(trace)\n"
+        "body()\n"
+        "sys.settrace(None)\n"
+        "files = {f for f, _, _ in seen}\n"
+        "print(any('minidom' in f for f in files), any(f.endswith('trainer/errors.py') for f in files),\n"
+        "      (__file__, 'line', 10) in seen)  # `after = 1`, the line after the untraced import\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True"]
