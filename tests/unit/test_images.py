@@ -102,6 +102,16 @@ def test_trainer_image_has_the_gpu_stack_and_the_source_tree():
     assert "COPY trainer" in text
 
 
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_trainer_images_compile_the_source_tree_they_run_from(name):
+    """PYTHONDONTWRITEBYTECODE is set, so the tree the tasks import (WORKDIR) is compiled at build time, after it
+    is copied in (scripts/setup.sh does the same for a checkout)."""
+    text = (IMAGES / "trainer" / name).read_text()
+    assert "PYTHONDONTWRITEBYTECODE=1" in text
+    compiled = text.index("RUN python -m compileall -q trainer components pipelines")
+    assert compiled > text.index("COPY pipelines ./pipelines") > text.index("WORKDIR /opt/alignflow")
+
+
 def test_cpu_trainer_image_installs_the_resolved_cpu_set_from_a_bind_mount():
     """The CPU image takes its packages from the wheelhouse build.sh resolves against requirements/cpu.txt,
     through a bind mount (never a layer: no COPY or ADD of it), and bakes the revision in last."""
