@@ -49,7 +49,7 @@ DEMO = common.REPO / "trainer" / "demo_data"
 RESULT = common.REPO / "benchmarks" / "results" / "parity.json"
 CASES = ("sft-completion", "sft-assistant", "sft-assistant-span", "sft-completion-packed",
          "sft-completion-padding-free", "dpo-sigmoid", "dpo-ipo", "dpo-hinge", "dpo-robust", "dpo-apo_zero", "dpo-sigmoid-padding-free",
-         "dpo-sigmoid-precomputed",
+         "dpo-sigmoid-chat", "dpo-sigmoid-precomputed",
          "reward", "reward-center", "reward-margin", "reward-padding-free", "grpo", "grpo-shared-prompts", "grpo-kl",
          "grpo-kl-trl-default")
 TRL_PIN = "pip install trl==1.16.0"
@@ -286,9 +286,10 @@ def sft_case(model, tokenizer, work: Path, *, markers: str | None, max_length: i
 
 def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, beta: float, max_length: int,
              count: int, padding_free: bool = False, precompute: bool = False,
-             label_smoothing: float = 0.0) -> dict[str, Any]:
+             label_smoothing: float = 0.0, chat: bool = False) -> dict[str, Any]:
     """One DPO step; alignflow padded as TRL (or packed with `padding_free`), the reference scored during the step
-    (or before it with `precompute`: alignflow's cache of (chosen, rejected) sums, TRL's dataset columns)."""
+    (or before it with `precompute`: alignflow's cache of (chosen, rejected) sums, TRL's dataset columns). `chat`:
+    the same pairs as conversations (a user turn, then each answer as an assistant turn), through the chat template."""
     import datasets
     import torch
     from trl import DPOConfig, DPOTrainer
@@ -297,7 +298,11 @@ def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, b
     from trainer.stages.dpo import DPOConfig as OurDPOConfig
     from trainer.stages.dpo import Reference, collate, freeze, load_split, metric_means, pair_loss
 
-    rows = datasets.Dataset.from_list(read_rows("preferences.jsonl", count))
+    rows = read_rows("preferences.jsonl", count)
+    if chat:
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                 **{k: [{"role": "assistant", "content": r[k].strip()}] for k in ("chosen", "rejected")}} for r in rows]
+    rows = datasets.Dataset.from_list(rows)
 
     # alignflow: TRL's layout (2B right-padded rows) or its default padding-free one (packed rows).
     config = OurDPOConfig(model=str(model_dir), dataset="parity", loss_type=loss_type, beta=beta,
@@ -338,7 +343,8 @@ def dpo_case(model, tokenizer, model_dir: Path, work: Path, *, loss_type: str, b
                       shift_mask)
     logprob_diff = float((our_logps - trl_logps).abs().max()) if our_logps.shape == trl_logps.shape else None
     case = (f"{loss_type}{f' (label_smoothing {label_smoothing})' if label_smoothing else ''}, "
-            f"{'precomputed' if precompute else 'frozen'} reference" + (", alignflow padding-free" if padding_free else ""))
+            f"{'precomputed' if precompute else 'frozen'} reference" + (", alignflow padding-free" if padding_free else "")
+            + (", chat pairs" if chat else ""))
     return row("dpo", case, same, logprob_diff,
                (float(loss_ours.detach()), float(loss_trl.detach())), (grad_norm(ours), grad_norm(theirs)),
                shared_metrics(metric_means(sums), trainer._metrics["train"]),
@@ -558,6 +564,8 @@ def main() -> None:
                                            label_smoothing=0.1, **settings),
             "dpo-sigmoid-padding-free": lambda: dpo_case(model, tokenizer, model_dir, work, loss_type="sigmoid",
                                                          beta=args.beta, padding_free=True, **settings),
+            "dpo-sigmoid-chat": lambda: dpo_case(model, tokenizer, model_dir, work, loss_type="sigmoid",
+                                                 beta=args.beta, chat=True, **settings),
             "dpo-sigmoid-precomputed": lambda: dpo_case(model, tokenizer, model_dir, work, loss_type="sigmoid",
                                                         beta=args.beta, precompute=True, **settings),
             "reward": lambda: reward_case(model_dir, tokenizer, work, center=None, **settings),
