@@ -9,8 +9,8 @@ of process run untraced:
 
 In a measured process, the imports of other packages (torch, transformers, datasets, ...) run untraced: tracing
 them measures nothing (coverage's `source` is the project's own packages) and cost ~1.6 CPU-s of a training
-process's ~2.3 CPU-s of coverage (import-only, 3 runs each: 6.5 CPU-s traced against 4.9 untraced). Their code
-that runs later, called from the project's, is traced as before.
+process's ~2.3 CPU-s of coverage (imports alone, 2 runs each: 6.5 user CPU-s traced against 4.85 untraced).
+Their code that runs later, called from the project's, is traced as before.
 
 `before()` runs from a0_alignflow_coverage.pth, ahead of coverage's own a1_coverage.pth, and `after()` from
 a2_alignflow_coverage.pth, once coverage has (or has not) started in this process.
