@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import datasets
 
 from trainer.data.chat_templates import check_messages, is_conversational, render_chat
 from trainer.data.sources import dataset_fingerprint
 from trainer.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +274,50 @@ def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
         bins[b].append(i)
         bisect.insort(free, (space - n, b))
     return bins
+
+
+@dataclass
+class RowLayout:
+    """Sequences laid out in rows: one per row, padded to the longest, or packed (`lay_out_rows`)."""
+
+    input_ids: torch.Tensor  # [R, T] torch.long, `pad_id` after each row's sequences
+    sequence: torch.Tensor  # [R, T] the index of the sequence at each position, -1 on padding
+    position_ids: torch.Tensor  # [R, T] restarting at 0 per sequence; each row's padding continues as a sequence of its own
+    row: torch.Tensor  # [S] the row of each sequence
+    start: torch.Tensor  # [S] the column of its first token
+    order: list[int]  # the sequences in the order their tokens fill the rows
+
+    def spread(self, values: list[list[int]]) -> torch.Tensor:
+        """[R, T] of per-token `values` (one list per sequence, as long as it), laid out as the tokens; 0 on padding."""
+        import torch
+
+        out = torch.zeros_like(self.sequence)
+        out[self.sequence >= 0] = torch.tensor([v for s in self.order for v in values[s]], dtype=out.dtype)
+        return out
+
+
+def lay_out_rows(seqs: list[list[int]], pad_id: int, pack_to: int = 0) -> RowLayout:
+    """Each sequence in a row of its own, right-padded to the longest; with `pack_to` > 0, packed into rows of at
+    most `pack_to` tokens (`pack_best_fit`), position ids restarting per sequence so that none attends to another.
+    Padding continues as its own "sequence" so it never joins a real one's attention block."""
+    import torch
+
+    rows = pack_best_fit([len(s) for s in seqs], pack_to) if pack_to else [[s] for s in range(len(seqs))]
+    width = max(sum(len(seqs[s]) for s in members) for members in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    sequence = torch.full(shape, -1, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    row = torch.zeros(len(seqs), dtype=torch.long)
+    start = torch.zeros(len(seqs), dtype=torch.long)
+    for r, members in enumerate(rows):
+        col = 0
+        for s in members:
+            end = col + len(seqs[s])
+            input_ids[r, col:end] = torch.tensor(seqs[s])
+            sequence[r, col:end] = s
+            position_ids[r, col:end] = torch.arange(end - col)
+            row[s], start[s] = r, col
+            col = end
+        position_ids[r, col:] = torch.arange(width - col)
+    return RowLayout(input_ids, sequence, position_ids, row, start, [s for members in rows for s in members])

@@ -41,7 +41,7 @@ from trainer.algorithms.logprobs import TargetLM, selective_log_softmax, sequenc
 from trainer.algorithms.preference import DPO_LOSSES, DPOLossType, dpo_loss, dpo_option_problem
 from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import is_conversational
-from trainer.data.formatting import pack_best_fit
+from trainer.data.formatting import lay_out_rows
 from trainer.data.preferences import TokenizedPairs, load_pairs, tokenize_dpo_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine import distributed
@@ -172,28 +172,12 @@ def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int 
         for i in indices:
             seqs.append(data.prompt_ids[i] + completions[i])
             masks.append([0] * max(len(data.prompt_ids[i]), 1) + [1] * (len(completions[i]) - (not data.prompt_ids[i])))
-    rows = pack_best_fit([len(s) for s in seqs], pack_to) if pack_to else [[s] for s in range(len(seqs))]
-    width = max(sum(len(seqs[s]) for s in members) for members in rows)
-    shape = (len(rows), width)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    completion = torch.zeros(shape, dtype=torch.long)
-    sequence = torch.full(shape, -1, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for s in members:
-            end = start + len(seqs[s])
-            input_ids[r, start:end] = torch.tensor(seqs[s])
-            completion[r, start:end] = torch.tensor(masks[s])
-            sequence[r, start:end] = s
-            position_ids[r, start:end] = torch.arange(end - start)
-            start = end
-        # Padding continues as its own "sequence" so it never joins a real one's attention block.
-        position_ids[r, start:] = torch.arange(width - start)
+    layout = lay_out_rows(seqs, pad_id, pack_to)
+    completion = layout.spread(masks)
     pairs = torch.tensor(indices, dtype=torch.long)
     if pack_to:
-        return DPOBatch(input_ids, None, position_ids, completion, sequence, pairs)
-    return DPOBatch(input_ids, (sequence >= 0).long(), None, completion, sequence, pairs)
+        return DPOBatch(layout.input_ids, None, layout.position_ids, completion, layout.sequence, pairs)
+    return DPOBatch(layout.input_ids, (layout.sequence >= 0).long(), None, completion, layout.sequence, pairs)
 
 
 @dataclass

@@ -42,7 +42,7 @@ import torch
 
 from trainer.algorithms.preference import bradley_terry_loss
 from trainer.config.options import TrainConfig, option
-from trainer.data.formatting import pack_best_fit
+from trainer.data.formatting import lay_out_rows
 from trainer.data.preferences import (
     TokenizedPairs,
     load_pairs,
@@ -124,28 +124,13 @@ def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int 
     """
     seqs = ([data.prompt_ids[i] + data.chosen_ids[i] for i in indices]
             + [data.prompt_ids[i] + data.rejected_ids[i] for i in indices])
-    rows = pack_best_fit([len(s) for s in seqs], pack_to) if pack_to else [[s] for s in range(len(seqs))]
-    width = max(sum(len(seqs[s]) for s in members) for members in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    last = torch.zeros((len(seqs), 2), dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for s in members:
-            end = start + len(seqs[s])
-            input_ids[r, start:end] = torch.tensor(seqs[s])
-            attention[r, start:end] = 1
-            position_ids[r, start:end] = torch.arange(end - start)
-            last[s] = torch.tensor([r, start + _last_non_pad(seqs[s], pad_id)])
-            start = end
-        # Padding continues as its own "sequence" so it never joins a real one's attention block.
-        position_ids[r, start:] = torch.arange(width - start)
+    layout = lay_out_rows(seqs, pad_id, pack_to)
     margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     num_tokens = sum(len(s) for s in seqs)
     if pack_to:
-        return PairBatch(input_ids, None, position_ids, last, margin, len(indices), num_tokens)
-    return PairBatch(input_ids, attention, None, None, margin, len(indices), num_tokens)
+        last = torch.stack([layout.row, layout.start + torch.tensor([_last_non_pad(s, pad_id) for s in seqs])], 1)
+        return PairBatch(layout.input_ids, None, layout.position_ids, last, margin, len(indices), num_tokens)
+    return PairBatch(layout.input_ids, (layout.sequence >= 0).long(), None, None, margin, len(indices), num_tokens)
 
 
 def _last_non_pad(ids: list[int], pad_id: int) -> int:

@@ -411,3 +411,23 @@ def test_data_fingerprint_is_the_rows_content(tmp_path):
     rows[1]["completion"] = " GREEN"
     c = dataset_fingerprint(load_rows(write_jsonl(tmp_path / "c.jsonl", rows), "train"))
     assert a == b != c and a.startswith("sha256-")
+
+
+def test_lay_out_rows_pads_one_per_row_or_packs_with_restarting_positions():
+    from trainer.data.formatting import lay_out_rows
+
+    seqs = [[5, 6, 7], [8], [9, 10]]
+    padded = lay_out_rows(seqs, pad_id=0)
+    assert padded.input_ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+    assert padded.sequence.tolist() == [[0, 0, 0], [1, -1, -1], [2, 2, -1]]
+    packed = lay_out_rows(seqs, pad_id=0, pack_to=4)  # rows of at most 4 tokens
+    assert packed.input_ids.shape[0] == 2 and packed.input_ids.shape[1] <= 4
+    for s, ids in enumerate(seqs):  # each sequence whole, where `row` and `start` say, positions from 0
+        r, c = int(packed.row[s]), int(packed.start[s])
+        assert packed.input_ids[r, c:c + len(ids)].tolist() == ids
+        assert packed.position_ids[r, c:c + len(ids)].tolist() == list(range(len(ids)))
+        assert (packed.sequence[r, c:c + len(ids)] == s).all()
+    assert int((packed.sequence >= 0).sum()) == 6
+    spread = packed.spread([[1, 2, 3], [4], [5, 6]])
+    assert all(spread[packed.row[s], packed.start[s]].item() == v for s, v in enumerate((1, 4, 5)))
+    assert int(spread[packed.sequence < 0].abs().sum()) == 0
