@@ -21,7 +21,24 @@ from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
 from components.images import TRAINER_IMAGE
 
-component = dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+_RUN_PYTHON = "\n_KFP_RUNTIME=true python3 -m kfp.dsl.executor_main"
+
+
+def component(func):
+    """`dsl.component` on the trainer image, with one change to the command KFP writes: its shell `exec`s Python.
+
+    KFP runs a lightweight component as `sh -ec '<write the code to a file>; python3 -m kfp.dsl.executor_main ...'`.
+    A signal sent to that shell (the kubelet's SIGTERM on preemption, a cancelled run) does not reach the Python
+    child, so a training task would be killed at the end of the grace period instead of saving a checkpoint and
+    exiting 75 (trainer.engine.preemption). With `exec` the task's process is Python itself."""
+    made = dsl.component(func, base_image=TRAINER_IMAGE, install_kfp_package=False)
+    container = made.component_spec.implementation.container
+    script = container.command[2]
+    if _RUN_PYTHON not in script:  # a kfp release that writes another command: see what it does with signals
+        raise RuntimeError(f"kfp's lightweight component command changed; {_RUN_PYTHON.strip()!r} not in {script!r}")
+    exec_python = _RUN_PYTHON.replace("python3", "exec python3")
+    container.command = [*container.command[:2], script.replace(_RUN_PYTHON, exec_python), *container.command[3:]]
+    return made
 
 
 @component

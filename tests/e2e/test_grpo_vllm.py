@@ -1,13 +1,17 @@
-"""GRPO with in-process vLLM rollouts learns the toy task of tests/helpers.py.
+"""GRPO with in-process vLLM rollouts learns the toy task of tests/helpers.py, and stops on SIGTERM with a checkpoint.
 
 With rollouts from a vLLM server (`alignflow rollout-server`), training is proven against the one-process
 run instead: tests/e2e/test_rollout_server_shared.py (2 ranks train what 1 process trains, and the server
 then serves the trained checkpoint's greedy output)."""
 
+import os
+import sys
+
 import pytest
 
-from tests.helpers import grpo_config, needs_vllm, rewards_of
+from tests.helpers import ROOT, grpo_config, needs_vllm, rewards_of, stop_after_step
 from trainer.engine import checkpoint as ckpt
+from trainer.engine.preemption import PREEMPTED_EXIT_CODE
 from trainer.stages.rl.grpo import run_grpo
 
 pytestmark = needs_vllm
@@ -30,3 +34,22 @@ def test_inprocess_vllm_engine_learns_toy_task(tiny_model, tmp_path, monkeypatch
     gap = max(r["sampling/sampling_logp_difference/max"] for r in history if "sampling/sampling_logp_difference/max" in r)
     assert (1e-3 < gap < 1.0) if bf16 else gap < 1e-3, gap
 
+
+
+def test_sigterm_stops_grpo_with_inprocess_vllm_at_a_step_with_a_checkpoint(tiny_model, toy_prompts, tmp_path):
+    """vLLM starts inside the training process, after the stage has taken SIGTERM's handler: the engine must not
+    take it back. SIGTERM after step 2 (periodic saves off) gives exit 75 and one complete step checkpoint."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "trainer.cli", "train", "grpo", "--model", tiny_model, "--dataset", toy_prompts(16),
+               "--rollout_engine", "vllm", "--reward_funcs", "tests.helpers:target_frequency", "--num_generations", "4",
+               "--per_device_batch_size", "8", "--max_completion_length", "8", "--max_prompt_length", "32",
+               "--max_steps", "8", "--logging_steps", "1", "--save_steps", "0", "--log_completions_steps", "0",
+               "--disable_progress_bar", "true", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    stopped = stop_after_step(command, 2, env)
+    assert stopped.code == PREEMPTED_EXIT_CODE, stopped.stderr[-4000:]
+    saved = [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)]
+    assert len(saved) == 1 and 2 <= saved[0] < 8, (saved, stopped.stderr[-4000:])
+    assert f"stopped by SIGTERM after step {saved[0]}/8" in stopped.stderr
+    assert not ckpt.is_complete(str(out))

