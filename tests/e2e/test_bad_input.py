@@ -92,6 +92,8 @@ CASES = [
     Case("sft malformed JSON array", sft("--dataset", "{d}/array.json"), ("array.json", "line 2, column 11")),
     Case("sft non-UTF-8 jsonl", sft("--dataset", "{d}/latin1.jsonl"), ("latin1.jsonl", "line 2", "UTF-8", "iconv")),
     Case("sft non-UTF-8 csv", sft("--dataset", "{d}/latin1.csv"), ("latin1.csv", "line 3", "UTF-8")),
+    Case("sft chat template file not UTF-8", sft("--chat_template_path", "{d}/binary.jinja"),
+         ("`chat_template_path`", "binary.jinja", "not a UTF-8 text file")),
     Case("sft unsupported file type", sft("--dataset", "{d}/data.txt"), ("data.txt", ".jsonl")),
     Case("sft folder without data files", sft("--dataset", "{d}/emptydir"), ("emptydir", "no .jsonl")),
     Case("sft folder of mixed types", sft("--dataset", "{d}/mixed"), ("mixed", "mixes file types")),
@@ -336,6 +338,7 @@ def data(tmp_path_factory, tiny_model) -> Path:
     (d / "array.json").write_text('[{"text": "a"},\n {"text": }]\n')
     (d / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     (d / "latin1.csv").write_bytes(b"text\nfine\ncaf\xe9\n")
+    (d / "binary.jinja").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
     (d / "data.txt").write_text("text\n")
     (d / "file.txt").write_text("not a model\n")
     (d / "emptydir").mkdir()

@@ -58,7 +58,11 @@ def read_chat_template(path: str) -> str:
 
     local = fetch_to_local(path) if is_remote(path) else str(Path(path).expanduser())
     if Path(local).is_file():
-        template = Path(local).read_text()
+        try:
+            template = Path(local).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"`chat_template_path` {path!r} is not a UTF-8 text file ({err.reason} at byte {err.start}): "
+                            "give a Jinja template file, or a tokenizer folder with a chat template.") from None
     else:
         from transformers import AutoTokenizer
 
