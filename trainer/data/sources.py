@@ -245,14 +245,24 @@ def dataset_fingerprint(ds: datasets.Dataset) -> str:
 
     The same rows give the same fingerprint wherever and whenever they were loaded from (datasets' own
     `_fingerprint` changes with the cache file's path and time, e.g. on every download from s3://), so
-    `resume_from_checkpoint auto` can tell the same run's data from new data. About 1 s per 100k short rows;
-    computed once per dataset object (the run identity needs it before the manifest does)."""
+    `resume_from_checkpoint auto` and the tokenized-data cache can tell the same data from new data. The rows are
+    hashed as Arrow data, not Python objects: each window of rows is copied into fresh arrays (so that how the
+    table happens to be chunked, sliced or index-mapped does not count) and hashed in Arrow's IPC format; about
+    0.05 s per 100k short rows (a JSON round trip of every row took 1 s). Computed once per dataset object."""
+    import pyarrow as pa
+
     key = (id(ds), getattr(ds, "_fingerprint", None))  # datasets' own: fixed for one object
     if key in _FINGERPRINTS:
         return _FINGERPRINTS[key]
     digest = hashlib.sha256(json.dumps(list(ds.column_names)).encode())
-    for batch in ds.iter(batch_size=1000):
-        digest.update(json.dumps(batch, sort_keys=True, default=str, ensure_ascii=False).encode())
+    arrow = ds.with_format("arrow")
+    for start in range(0, len(ds), _FINGERPRINT_WINDOW):
+        window = arrow[start:start + _FINGERPRINT_WINDOW]  # index mapping applied; may share the file's buffers
+        window = window.take(pa.array(range(window.num_rows))).combine_chunks().replace_schema_metadata(None)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, window.schema) as writer:
+            writer.write_table(window)
+        digest.update(sink.getvalue())
     fingerprint = FINGERPRINT_PREFIX + digest.hexdigest()[:16]
     if len(_FINGERPRINTS) >= 8:
         _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
@@ -260,6 +270,7 @@ def dataset_fingerprint(ds: datasets.Dataset) -> str:
     return fingerprint
 
 
+_FINGERPRINT_WINDOW = 2000  # rows per hashed window: small enough for long documents, large enough to be fast
 _FINGERPRINTS: dict[tuple[int, str | None], str] = {}
 
 

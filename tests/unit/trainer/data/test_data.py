@@ -413,6 +413,34 @@ def test_data_fingerprint_is_the_rows_content(tmp_path):
     assert a == b != c and a.startswith("sha256-")
 
 
+def test_data_fingerprint_does_not_depend_on_how_the_table_is_laid_out(monkeypatch):
+    """The same rows chunked differently, index-mapped (shuffled then put back, selected) or sliced give one
+    fingerprint; a window size smaller than the data makes every window boundary count."""
+    import datasets
+
+    from trainer.data import sources
+
+    monkeypatch.setattr(sources, "_FINGERPRINT_WINDOW", 7)
+    rows = [{"prompt": f"Say {i}.", "n": i, "score": i / 3, "ok": i % 3 == 0, "note": None if i % 4 else "x",
+             "messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]}
+            for i in range(40)]
+    whole = datasets.Dataset.from_list(rows)
+    reference = sources.dataset_fingerprint(whole)
+    chunked = datasets.concatenate_datasets([datasets.Dataset.from_list(rows[:13]),
+                                             datasets.Dataset.from_list(rows[13:])])
+    shuffled = whole.shuffle(seed=1)
+    order = shuffled["n"]
+    put_back = shuffled.select(sorted(range(len(order)), key=order.__getitem__))
+    assert sources.dataset_fingerprint(chunked) == reference
+    assert sources.dataset_fingerprint(put_back) == reference
+    assert sources.dataset_fingerprint(whole.select(range(5, 30))) == sources.dataset_fingerprint(
+        datasets.Dataset.from_list(rows[5:30]))
+    assert sources.dataset_fingerprint(shuffled) != reference  # the order counts
+    changed = [dict(r) for r in rows]
+    changed[33]["messages"] = [{"role": "user", "content": "hi 33"}, {"role": "assistant", "content": "yo!"}]
+    assert sources.dataset_fingerprint(datasets.Dataset.from_list(changed)) != reference
+
+
 def test_lay_out_rows_pads_one_per_row_or_packs_with_restarting_positions():
     from trainer.data.formatting import lay_out_rows
 
