@@ -366,7 +366,7 @@ def reward_case(model_dir: Path, tokenizer, work: Path, *, center: float | None,
     from trl import RewardConfig, RewardTrainer
 
     from trainer.algorithms.preference import bradley_terry_loss
-    from trainer.data.preferences import load_pairs, read_margins, tokenize_reward_pairs
+    from trainer.data.preferences import tokenize_reward_pairs
     from trainer.stages.reward_model import collate, pair_rewards
 
     rows = datasets.Dataset.from_list([{**r, "margin": 0.5 * (i + 1)} if margin else r
@@ -376,9 +376,7 @@ def reward_case(model_dir: Path, tokenizer, work: Path, *, center: float | None,
     model.config.pad_token_id = tokenizer.pad_token_id
 
     ours = copy.deepcopy(model).train()
-    pairs, kept = load_pairs(rows, "parity", "reward", tokenizer)  # as the stage's `prepare`
-    data = tokenize_reward_pairs(pairs, read_margins(rows, kept, "parity"), tokenizer, "parity", max_length,
-                                 "keep_end")
+    data = tokenize_reward_pairs(rows, tokenizer, "parity", max_length, "keep_end")  # as the stage's `prepare`
     padded = collate(data, list(range(len(data))), tokenizer.pad_token_id)  # compared with TRL's batch
     batch = collate(data, list(range(len(data))), tokenizer.pad_token_id, pack_to=max_length if padding_free else 0)
     chosen, rejected = pair_rewards(ours, batch)

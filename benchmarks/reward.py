@@ -120,7 +120,7 @@ def child_trl(spec: dict, started: float) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
     from trl import RewardConfig, RewardTrainer
 
-    from trainer.data.preferences import load_pairs, read_margins, tokenize_reward_pairs
+    from trainer.data.preferences import tokenize_reward_pairs
 
     imported = common.clock()
     step_ends: list[float] = []
@@ -134,10 +134,8 @@ def child_trl(spec: dict, started: float) -> dict:
 
     def tokenized(path: str, name: str) -> datasets.Dataset:
         rows = datasets.load_dataset("json", data_files=path, split="train")
-        pairs, kept = load_pairs(rows, name, "reward", tokenizer)
-        data = tokenize_reward_pairs(pairs, read_margins(rows, kept, name), tokenizer, name, spec["max_length"],
-                                     "keep_end")
-        return datasets.Dataset.from_dict({"chosen_ids": data.chosen_ids, "rejected_ids": data.rejected_ids})
+        data = tokenize_reward_pairs(rows, tokenizer, name, spec["max_length"], "keep_end")
+        return datasets.Dataset.from_dict({"chosen_ids": list(data.chosen_ids), "rejected_ids": list(data.rejected_ids)})
 
     train, test = tokenized(spec["train_path"], "train"), tokenized(spec["test_path"], "held-out")
     loading = common.clock()

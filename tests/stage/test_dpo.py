@@ -137,8 +137,11 @@ def test_resume_from_step_checkpoint_matches_straight_run(tiny_model, tmp_path, 
 
 def test_padding_free_batches_score_like_padded_ones(tiny_model, tmp_path):
     tokenizer = load_tokenizer(tiny_model)
-    data = load_split(load_rows("demo:preferences").select(range(12)), "demo", tokenizer, dpo_config(tiny_model, tmp_path))
-    data.prompt_ids[3] = []  # an empty prompt: the first reply token has nothing to be predicted from
+    # Row 3 with an empty prompt: the first reply token has nothing to be predicted from.
+    rows = load_rows("demo:preferences").select(range(12)).map(lambda row, i: {"prompt": "" if i == 3 else row["prompt"]},
+                                                                 with_indices=True)
+    data = load_split(rows, "demo", tokenizer, dpo_config(tiny_model, tmp_path))
+    assert data.prompt_ids[3] == []
     model = load_causal_lm(tiny_model)
     padded = collate(data, list(range(12)), tokenizer.pad_token_id)
     packed = collate(data, list(range(12)), tokenizer.pad_token_id, pack_to=128)

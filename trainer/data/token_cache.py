@@ -52,6 +52,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     digest = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
+        if backend.truncation is not None or backend.padding is not None:
+            # Left set by the last call that truncated or padded (transformers sets both per call): not part of the
+            # tokenizer, and would give one tokenizer another key after it truncated a text (reward pairs do).
+            from tokenizers import Tokenizer
+
+            backend = Tokenizer.from_str(backend.to_str())
+            backend.no_truncation()
+            backend.no_padding()
         digest.update(backend.to_str().encode())
     else:
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())

@@ -40,9 +40,8 @@ import torch
 from trainer.algorithms.logprobs import TargetLM, selective_log_softmax, sequence_sums, target_logits
 from trainer.algorithms.preference import DPO_LOSSES, DPOLossType, dpo_loss, dpo_option_problem
 from trainer.config.options import TrainConfig, option
-from trainer.data.chat_templates import is_conversational
 from trainer.data.formatting import lay_out_rows
-from trainer.data.preferences import TokenizedPairs, load_pairs, tokenize_dpo_pairs
+from trainer.data.preferences import TokenizedPairs, tokenize_dpo_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine import distributed
 from trainer.engine.loop import total_steps
@@ -123,11 +122,9 @@ class DPOConfig(TrainConfig):
 
 
 def load_split(rows, name: str, tokenizer, config: DPOConfig) -> TokenizedPairs:
-    """Pairs of a dataset (errors name the missing columns; identical pairs dropped), tokenized."""
-    pairs, _ = load_pairs(rows, name, "dpo", tokenizer)
-    chat = is_conversational(rows[0]["chosen"])  # a column is all text or all chat
-    return tokenize_dpo_pairs(pairs, tokenizer, name, chat, config.max_length, config.prompt_limit,
-                              config.truncation_mode, len(rows))
+    """Pairs of a dataset (errors name the missing columns; identical pairs dropped), tokenized into the
+    tokenized-data cache."""
+    return tokenize_dpo_pairs(rows, tokenizer, name, config.max_length, config.prompt_limit, config.truncation_mode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,11 +164,10 @@ def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int 
     A sequence's first token is never a target (in a packed row it would be predicted from the
     previous sequence), whether packed or not, so both layouts score the same tokens.
     """
-    seqs, masks = [], []
-    for completions in (data.chosen_ids, data.rejected_ids):
-        for i in indices:
-            seqs.append(data.prompt_ids[i] + completions[i])
-            masks.append([0] * max(len(data.prompt_ids[i]), 1) + [1] * (len(completions[i]) - (not data.prompt_ids[i])))
+    tokens = [data.pair(i) for i in indices]
+    sequences = [(p.prompt, p.chosen) for p in tokens] + [(p.prompt, p.rejected) for p in tokens]
+    seqs = [prompt + reply for prompt, reply in sequences]
+    masks = [[0] * max(len(prompt), 1) + [1] * (len(reply) - (not prompt)) for prompt, reply in sequences]
     layout = lay_out_rows(seqs, pad_id, pack_to)
     completion = layout.spread(masks)
     pairs = torch.tensor(indices, dtype=torch.long)
@@ -423,8 +419,10 @@ def run_dpo(config: DPOConfig) -> str:
     # 1. Data, validated before any model is loaded.
     model_path, tokenizer = model_and_tokenizer(config)
     rows, eval_rows = load_train_eval(config)
-    train_data = load_split(rows, config.dataset, tokenizer, config)
-    eval_data = load_split(eval_rows, config.eval_dataset or "eval split", tokenizer, config) if eval_rows else None
+    # One process per node tokenizes into the shared cache; the others then map the files it wrote.
+    with run.accelerator.local_main_process_first():
+        train_data = load_split(rows, config.dataset, tokenizer, config)
+        eval_data = load_split(eval_rows, config.eval_dataset or "eval split", tokenizer, config) if eval_rows else None
     splits = {"train": train_data, **({"eval": eval_data} if eval_data else {})}
     steps = total_steps(config, len(train_data), run.world)
     data_runtime = time.perf_counter() - run.started

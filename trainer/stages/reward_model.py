@@ -43,12 +43,7 @@ import torch
 from trainer.algorithms.preference import bradley_terry_loss
 from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import lay_out_rows
-from trainer.data.preferences import (
-    TokenizedPairs,
-    load_pairs,
-    read_margins,
-    tokenize_reward_pairs,
-)
+from trainer.data.preferences import TokenizedPairs, tokenize_reward_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine.loop import total_steps
 from trainer.engine.models import (
@@ -122,8 +117,8 @@ def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int 
     A packed sequence's reward is read where a padded row's is: transformers takes the last token
     that is not `pad_id` (so where pad == eos, the token before a final eos, as in TRL).
     """
-    seqs = ([data.prompt_ids[i] + data.chosen_ids[i] for i in indices]
-            + [data.prompt_ids[i] + data.rejected_ids[i] for i in indices])
+    tokens = [data.pair(i) for i in indices]
+    seqs = [p.prompt + p.chosen for p in tokens] + [p.prompt + p.rejected for p in tokens]
     layout = lay_out_rows(seqs, pad_id, pack_to)
     margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     num_tokens = sum(len(s) for s in seqs)
@@ -296,12 +291,12 @@ def run_reward(config: RewardConfig) -> str:
     rows, eval_rows = load_train_eval(config)
 
     def prepare(ds, name: str) -> TokenizedPairs:
-        pairs, kept = load_pairs(ds, name, "reward", tokenizer)
-        return tokenize_reward_pairs(pairs, read_margins(ds, kept, name), tokenizer, name, config.max_length,
-                                     config.truncation_mode)
+        return tokenize_reward_pairs(ds, tokenizer, name, config.max_length, config.truncation_mode)
 
-    train_data = prepare(rows, config.dataset)
-    eval_data = prepare(eval_rows, config.eval_dataset or "eval split") if eval_rows is not None else None
+    # One process per node tokenizes into the shared cache; the others then map the files it wrote.
+    with run.accelerator.local_main_process_first():
+        train_data = prepare(rows, config.dataset)
+        eval_data = prepare(eval_rows, config.eval_dataset or "eval split") if eval_rows is not None else None
     steps = total_steps(config, len(train_data), run.world)
     log.info("Reward model: %d pairs%s; %d optimizer steps.", len(train_data),
              f" ({len(eval_data)} held out)" if eval_data else "", steps)
@@ -311,7 +306,7 @@ def run_reward(config: RewardConfig) -> str:
     model = load_reward_model(resume or model_path, tokenizer.pad_token_id, config.dtype, config.trust_remote_code,
                               config.gradient_checkpointing, trainable_adapter=bool(resume and config.lora_r))
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    longest = max(len(x) for data in (train_data, eval_data) if data for x in data.chosen_ids + data.rejected_ids)
+    longest = max(data.longest() for data in (train_data, eval_data) if data)
     if positions and longest > positions:
         raise ConfigError(f"`max_length` is {config.max_length} and texts of {longest} tokens remain, but "
                           f"{config.model} has {positions} positions: pass --max_length {positions} or less.")

@@ -167,3 +167,14 @@ def test_processes_that_build_one_entry_at_once_agree(tiny_model, cache, tmp_pat
     assert sum("Tokenized 300 rows" in err for _, err in outs) == 2  # both built it: the race did happen
     (entry,) = cache.iterdir()  # no temporary folder left behind
     assert token_cache.load_entry(entry) is not None
+
+
+def test_tokenizer_fingerprint_ignores_the_last_calls_truncation_and_padding(tokenizer):
+    """transformers leaves the fast tokenizer's truncation and padding set after a call that used them (the reward
+    model's pairs truncate); a process that truncated must still find the entry that one which did not wrote."""
+    before = token_cache.tokenizer_fingerprint(tokenizer)
+    tokenizer(["a b c d e f g h", "a"], truncation=True, max_length=3, padding=True)
+    assert tokenizer.backend_tokenizer.truncation is not None and tokenizer.backend_tokenizer.padding is not None
+    assert token_cache.tokenizer_fingerprint(tokenizer) == before
+    tokenizer(["a b c"])  # (and a later plain call clears them)
+    assert tokenizer.backend_tokenizer.truncation is None

@@ -52,12 +52,11 @@ def test_packed_rows_score_like_padded_ones(tiny_model, pad):
     import datasets
     import torch
 
-    from trainer.data.preferences import load_pairs, tokenize_reward_pairs
+    from trainer.data.preferences import tokenize_reward_pairs
     from trainer.engine.models import load_reward_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model)
-    pairs, _ = load_pairs(datasets.Dataset.from_list(packing_pairs()), "pairs", "reward", tokenizer)
-    data = tokenize_reward_pairs(pairs, None, tokenizer, "pairs", 64, "keep_end")
+    data = tokenize_reward_pairs(datasets.Dataset.from_list(packing_pairs()), tokenizer, "pairs", 64, "keep_end")
     pad_id = tokenizer.pad_token_id if pad == "pad" else tokenizer.eos_token_id
     assert all(ids[-1] == tokenizer.eos_token_id != tokenizer.pad_token_id for ids in data.chosen_ids)
     torch.manual_seed(0)
