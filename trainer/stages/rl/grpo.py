@@ -301,7 +301,7 @@ def run_grpo(config: GRPOConfig) -> str:
 
     # 1. Prompts and reward functions, validated before any model is loaded.
     model_path, tokenizer = model_and_tokenizer(config)
-    data, eval_data, rewards = load_rl_inputs(config, tokenizer, run.world)
+    data, eval_data, rewards = load_rl_inputs(run, tokenizer)
     num_cycles = (config.max_steps if config.max_steps > 0 else
                   int(config.num_epochs * len(data.token_ids) / (config.prompts_per_cycle * run.world)))
     steps = max(1, num_cycles // config.num_iterations) * config.num_iterations

@@ -424,7 +424,7 @@ def run_ppo(config: PPOConfig) -> str:
     keep_freed_memory()
 
     model_path, tokenizer = model_and_tokenizer(config)
-    data, eval_data, rewards = load_rl_inputs(config, tokenizer, run.world)
+    data, eval_data, rewards = load_rl_inputs(run, tokenizer)
     per = config.updates_per_rollout
     cycles = (config.max_steps // per if config.max_steps > 0 else
               int(config.num_epochs * len(data.token_ids) / (config.batch_size * run.world)))

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import datasets
+import numpy as np
 import torch
 
 from trainer.algorithms.advantages import combine_rewards
 from trainer.config.options import TrainConfig, option
 from trainer.data.chat_templates import check_messages, is_conversational
-from trainer.data.sources import dataset_label, load_rows, test_split_rows, train_rows
+from trainer.data.sources import dataset_fingerprint, dataset_label, load_rows, test_split_rows, train_rows
+from trainer.data.token_cache import cached_map, tokenizer_fingerprint
 from trainer.engine import distributed
 from trainer.engine.completions import prompt_token_ids
 from trainer.engine.runner import StageRunner
@@ -112,46 +117,97 @@ def check_server_options(config) -> None:
                           f"give a number in (0, 1], got {config.vllm_gpu_memory_utilization}.")
 
 
+class PromptTokens(Sequence):
+    """The prompts' token ids, read one prompt at a time from the memory-mapped Arrow table of the tokenized-data
+    cache (`trainer.data.token_cache`), so a process holds no Python list per row. Read-only: `len()`, indexing by
+    int and iteration, what the stages use. `kept` maps prompt i to its table row when truncation_mode=drop
+    dropped some (the table has one row per input row)."""
+
+    def __init__(self, table, kept=None) -> None:
+        self.table, self.kept = table, kept  # datasets.Dataset with `input_ids`; np.ndarray [num_prompts] or None
+
+    def __len__(self) -> int:
+        return len(self.table) if self.kept is None else len(self.kept)
+
+    def __getitem__(self, i: int) -> list[int]:
+        i = operator.index(i)  # an int; a slice is not something the stages take
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"prompt {i} of {len(self)}")
+        i %= len(self)
+        row = i if self.kept is None else int(self.kept[i])
+        return self.table.data.fast_slice(row, 1).column("input_ids")[0].as_py()
+
+
 @dataclass
 class PromptSet:
     """A prompt dataset: the rows (their other columns feed the reward functions) and token ids."""
 
     rows: Any  # datasets.Dataset
-    token_ids: list[list[int]]  # [num_prompts] truncated per `truncation_mode`
+    token_ids: PromptTokens  # [num_prompts] lists of ints, truncated per `truncation_mode`
 
     @property
     def columns(self) -> list[str]:
         return [c for c in self.rows.column_names if c != "prompt"]
 
 
+PROMPT_FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int32")),  # cut to max_prompt_length; [] when dropped
+    "length": datasets.Value("int32"),  # before truncation
+})
+# What `prompt_token_ids` does, part of the cache key: change it when that changes the tokens.
+PROMPT_ENCODING = "chat: template with generation prompt, no special tokens; text: special tokens"
+
+
+def check_chat_prompts(prompts, tokenizer) -> None:
+    """`check_messages` on every chat prompt (a column of text prompts has none), read 1,000 rows at a time."""
+    if isinstance(prompts.features["prompt"], datasets.Value):  # strings (or scalars): nothing to check
+        return
+    for start in range(0, len(prompts), 1000):
+        for index, prompt in enumerate(prompts[start:start + 1000]["prompt"], start):
+            if is_conversational(prompt):
+                check_messages(prompt, index, "prompt", tokenizer)
+
+
 def load_prompts(spec: str, split: str, tokenizer, config: RolloutConfig, rows=None) -> PromptSet:
     """Prompt rows (a `prompt` column, text or chat; loaded from `spec` unless given) tokenized and cut to
-    `max_prompt_length`."""
+    `max_prompt_length`, through the tokenized-data cache: a second call with the same prompts, tokenizer and
+    options maps the Arrow file the first one wrote."""
     rows = load_rows(spec, split) if rows is None else rows
     if "prompt" not in rows.column_names:
         raise DataError(f"Dataset {spec!r} has columns {sorted(rows.column_names)}; GRPO needs a `prompt` column "
                         "(text or chat messages) plus any columns the reward functions read.")
-    prompts = rows["prompt"]  # (each read of an Arrow column builds a new Python list)
-    for index, prompt in enumerate(prompts):
-        if is_conversational(prompt):
-            check_messages(prompt, index, "prompt", tokenizer)
-    ids = [prompt_token_ids(p, tokenizer) for p in prompts]
-    limit, long = config.max_prompt_length, [i for i, x in enumerate(ids) if len(x) > config.max_prompt_length]
-    if long and config.truncation_mode == "drop":
-        keep = sorted(set(range(len(ids))) - set(long))
-        rows, ids = rows.select(keep), [ids[i] for i in keep]
-    else:
-        ids = [x[-limit:] if config.truncation_mode == "keep_end" else x[:limit] for x in ids]
-    if long:
-        log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d (%s).", spec, len(long),
-                    len(rows) + (len(long) if config.truncation_mode == "drop" else 0), limit,
-                    {"keep_end": "their start was cut", "keep_start": "their end was cut", "drop": "dropped"}[
-                        config.truncation_mode])
-    if not ids:
-        raise DataError(f"Dataset {spec!r} has no prompts left: all {len(long)} are longer than max_prompt_length="
+    prompts = rows.select_columns(["prompt"])
+    check_chat_prompts(prompts, tokenizer)  # also on a cache hit: the same errors before training
+    limit, mode = config.max_prompt_length, config.truncation_mode
+
+    def tokenize_batch(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "length": []}
+        for prompt in batch["prompt"]:
+            ids = prompt_token_ids(prompt, tokenizer)
+            out["length"].append(len(ids))
+            if len(ids) > limit:
+                ids = [] if mode == "drop" else ids[-limit:] if mode == "keep_end" else ids[:limit]
+            out["input_ids"].append(ids)
+        return out
+
+    key = {"data": dataset_fingerprint(prompts), "tokenizer": tokenizer_fingerprint(tokenizer),
+           "max_prompt_length": limit, "truncation_mode": mode, "encoding": PROMPT_ENCODING}
+    table = cached_map(prompts, "prompts", key, tokenize_batch, PROMPT_FEATURES, f"Tokenizing prompts of {spec}")
+    long = table.data.column("length").to_numpy() > limit  # [num_rows]
+    num_long, kept = int(long.sum()), None
+    if num_long and mode == "drop":
+        kept = np.flatnonzero(~long)
+        rows = rows.select(kept)
+    token_ids = PromptTokens(table, kept)
+    if num_long:
+        log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d (%s).", spec, num_long, len(table),
+                    limit, {"keep_end": "their start was cut", "keep_start": "their end was cut", "drop": "dropped"}[
+                        mode])
+    if not len(token_ids):
+        raise DataError(f"Dataset {spec!r} has no prompts left: all {num_long} are longer than max_prompt_length="
                         f"{limit} (truncation_mode=drop); raise `max_prompt_length`, or set `truncation_mode "
                         "keep_end` to cut their start instead.")
-    return PromptSet(rows, ids)
+    return PromptSet(rows, token_ids)
 
 
 @dataclass
@@ -178,22 +234,25 @@ class RewardSet:
         return prompts, texts, score_completions(self.funcs, prompts, shaped, columns)
 
 
-def load_rl_inputs(config, tokenizer, world: int) -> tuple[PromptSet, PromptSet | None, RewardSet]:
+def load_rl_inputs(run: StageRunner, tokenizer) -> tuple[PromptSet, PromptSet | None, RewardSet]:
     """An RL stage's (GRPO, PPO) prompts, held-out prompts and reward functions, checked before any model loads."""
+    config = run.config
     if config.eval_split_ratio:
         raise ConfigError(f"{config.stage.upper()} evaluates on held-out prompts from `eval_dataset`; "
                           "`eval_split_ratio` is not supported: pass --eval_dataset PATH instead.")
-    data = load_prompts(dataset_label(config), config.dataset_split, tokenizer, config, rows=train_rows(config))
-    eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
-                 if config.eval_dataset else None)
-    if config.dataset_test_split:
-        eval_data = load_prompts(f"{config.dataset} [{config.dataset_test_split}]", config.dataset_test_split,
-                                 tokenizer, config, rows=test_split_rows(config))
+    # One process per node tokenizes into the shared cache; the others then map the files it wrote.
+    with run.accelerator.local_main_process_first():
+        data = load_prompts(dataset_label(config), config.dataset_split, tokenizer, config, rows=train_rows(config))
+        eval_data = (load_prompts(config.eval_dataset, config.dataset_split, tokenizer, config)
+                     if config.eval_dataset else None)
+        if config.dataset_test_split:
+            eval_data = load_prompts(f"{config.dataset} [{config.dataset_test_split}]", config.dataset_test_split,
+                                     tokenizer, config, rows=test_split_rows(config))
     funcs = [load_reward_function(spec, label=config.reward_label, label_score=config.reward_label_score)
              for spec in config.reward_funcs]
     rewards = RewardSet(funcs, reward_names(funcs),
                         torch.tensor(config.reward_weights or [1.0] * len(funcs)))
-    check_ranks(config, world, len(data.token_ids))
+    check_ranks(config, run.world, len(data.token_ids))
     return data, eval_data, rewards
 
 

@@ -30,8 +30,8 @@ def test_truncation_mode_and_unsupported_eval_split(tiny_model, tmp_path):
                                                                      truncation_mode=mode))
            for mode in ("keep_end", "keep_start")}
     assert all(len(ids) > 3 for ids in full.token_ids)
-    assert cut["keep_end"].token_ids == [ids[-3:] for ids in full.token_ids]
-    assert cut["keep_start"].token_ids == [ids[:3] for ids in full.token_ids]
+    assert list(cut["keep_end"].token_ids) == [ids[-3:] for ids in full.token_ids]
+    assert list(cut["keep_start"].token_ids) == [ids[:3] for ids in full.token_ids]
     with pytest.raises(DataError, match="no prompts left"):
         load_prompts(path, "train", tokenizer, grpo_config(tiny_model, tmp_path, max_prompt_length=3,
                                                            truncation_mode="drop"))
