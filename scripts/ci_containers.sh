@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI's container set-up (issue 30), run by .ci/run when ALIGNFLOW_CONTAINER_TESTS=1: Docker Engine and
+# CI's container set-up (issue 30), run by .ci/run beside the suite (ALIGNFLOW_CONTAINER_TESTS=0: not): Docker Engine and
 # debootstrap from Debian's packages (as root), dockerd, then the CPU images (trainer-cpu, mlflow) built
 # with images/build.sh --cpu --debootstrap. Docker keeps its layer cache in /var/lib/docker, so on the
 # same machine a second run rebuilds only what changed (the source layer: seconds). Best effort: where
