@@ -24,13 +24,18 @@ followed from the KFP task.
    `--deepspeed_multinode_launcher standard` (torchrun on every node; accelerate's default, pdsh,
    needs ssh between pods).
 4. **The rollout server** (GRPO/PPO, `rollout_engine: vllm-server`): one per node, shared by the node's
-   ranks, whose rank 0 pushes it the weights. With `rollout_gpus` >= 1 (PyTorchJob) it is a native
-   sidecar container of each pod (`rollout_sidecar`: an init container with restartPolicy Always, its
-   own GPUs, startup/readiness/liveness probes, reached on 127.0.0.1). A TrainJob cannot have one (its
-   `runtimePatches` only patch the env, mounts and security context of containers the runtime already
-   has), so there, and with `rollout_gpus: 0`, each node gets one GPU more than it has training ranks
-   and the node's rank 0 starts the server on it as a child process (`vllm_server_devices`,
-   docs/scaling.md).
+   ranks, whose rank 0 pushes it the weights. With `rollout_gpus: N` >= 1 it is a native sidecar
+   container of each pod (an init container with restartPolicy Always, N GPUs of its own,
+   startup/readiness/liveness probes, reached on 127.0.0.1). A PyTorchJob's pods get it from the
+   manifest (`rollout_sidecar`). A TrainJob's `runtimePatches` cannot add a container or set its
+   resources (only the env, mounts and security context of the runtime's own containers), so a
+   TrainJob names the chart's ClusterTrainingRuntime `alignflow-rollout-<N>gpu`
+   (charts/alignflow/templates/training-runtimes.yaml), whose pods already have the `rollout-server`
+   sidecar with N GPUs; the TrainJob's patch gives it the stage config and the server's options
+   (ALIGNFLOW_ROLLOUT_ARGS), which `serve-rollout` reads (`rollout_patch`). `MultiNode.check_sidecar`
+   refuses a TrainJob sidecar on another runtime, or on one with another GPU count, before any job
+   exists. With `rollout_gpus: 0` each node gets one GPU more than it has training ranks and the
+   node's rank 0 starts the server on it as a child process (`vllm_server_devices`, docs/scaling.md).
 5. **Wait.** `components.kubejob.submit_and_wait` creates the job, streams the rank-0 pod's log into
    the task's log, polls the job's conditions, raises with the job's reason when it fails, and
    deletes the job when it succeeds or when the task is stopped (KFP cancels a task with SIGTERM).
@@ -44,19 +49,22 @@ Security: the pods run as the trainer image's non-root user with the RuntimeDefa
 no privilege escalation and no capabilities (`components.settings.POD_SECURITY_CONTEXT`), carry
 the label that admits them to MLflow (`MLFLOW_CLIENT_LABEL`), and run as `service_account` when it is
 set. They never call the Kubernetes API (the task that submits the job does). A PyTorchJob's pods get
-no ServiceAccount token (`automountServiceAccountToken: false`); a TrainJob's runtime patch cannot
-carry that field (Trainer 2.3's `runtimePatches` pod spec has no such property: the API server drops
-or refuses it), so a TrainJob's pods keep the token unless `service_account` names an account whose
-`automountServiceAccountToken` is false, as the chart's is. The manifests are validated against the
-CRDs the Kubeflow projects publish (tests/data/crds/).
+no ServiceAccount token (`automountServiceAccountToken: false`), nor do those of the chart's
+`alignflow-rollout-<N>gpu` runtimes (the runtime's pod template says so); a TrainJob's runtime patch
+cannot carry that field (Trainer 2.3's `runtimePatches` pod spec has no such property: the API server
+drops or refuses it), so a TrainJob on `torch-distributed` keeps the token unless `service_account`
+names an account whose `automountServiceAccountToken` is false, as the chart's is. The manifests are
+validated against the CRDs the Kubeflow projects publish (tests/data/crds/).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import sys
@@ -87,6 +95,11 @@ INPUT_KEYS = ("model", "dataset", "eval_dataset", "ref_model", "reward_funcs")  
 ISTIO_INJECT = "sidecar.istio.io/inject"  # an injected proxy would keep a finished pod running
 ROLLOUT_PORT = 8000  # the rollout sidecar's port on the pod's loopback (TRL's vllm-serve default)
 PATCH_MANAGER = "alignflow/launcher"  # owner of this launcher's entry in a TrainJob's runtimePatches
+SIDECAR = "rollout-server"  # the sidecar's container name (PyTorchJob pods, the chart's alignflow-rollout runtimes)
+# The chart's ClusterTrainingRuntimes with the sidecar are named f"{ROLLOUT_RUNTIME}-{N}gpu" (`rollout_runtime`):
+# a TrainJob cannot patch a container's resources, so the name is how a stage section says how many GPUs it gets.
+ROLLOUT_RUNTIME = "alignflow-rollout"
+ROLLOUT_ARGS_ENV = "ALIGNFLOW_ROLLOUT_ARGS"  # the server's options for `serve-rollout` without arguments (TrainJob)
 
 
 @dataclass
@@ -104,7 +117,9 @@ class MultiNode:
         "(Training Operator v1, kubeflow.org/v1).",
         choices=("TrainJob", "PyTorchJob"),
     )
-    training_runtime: str = option("torch-distributed", "The ClusterTrainingRuntime a TrainJob runs on.")
+    training_runtime: str = option(
+        "torch-distributed", "The ClusterTrainingRuntime a TrainJob runs on; with `rollout_gpus: N`, the chart's "
+                             f"{ROLLOUT_RUNTIME}-<N>gpu (its pods have the rollout-server sidecar with N GPUs).")
     deepspeed: str = option(
         "zero2",
         "DeepSpeed preset as `alignflow train --deepspeed` takes it (trainer/configs/deepspeed_<value>.json): zero2, "
@@ -129,11 +144,13 @@ class MultiNode:
             "TrainJob cannot turn off the token mount of its pods itself: name an account with "
             "automountServiceAccountToken false (the chart's `<release>-alignflow`) to keep the token out.")
     rollout_gpus: int = option(
-        0, "GPUs of each node's rollout server (rollout_engine vllm-server, GRPO and PPO). N >= 1 (job_kind PyTorchJob): "
+        0, "GPUs of each node's rollout server (rollout_engine vllm-server, GRPO and PPO). N >= 1: "
            "`alignflow rollout-server` runs as a native sidecar of each pod (an init container with restartPolicy "
            "Always: it starts, and answers /ready, before the trainer, and stops after it) with N GPUs (N data-parallel "
-           "replicas), its own resources and probes; the node's ranks reach it on 127.0.0.1. 0: the training "
-           "container gets one GPU more, and the node's first rank starts the server on it as a child process.")
+           "replicas), its own resources and probes; the node's ranks reach it on 127.0.0.1. A TrainJob gets it from "
+           f"its runtime: set training_runtime {ROLLOUT_RUNTIME}-<N>gpu (the chart's rolloutRuntimes), whose sidecar has "
+           "the N GPUs. 0: the training container gets one GPU more, and the node's first rank starts the server on "
+           "it as a child process.")
     node_selector: dict = option({}, "Node labels the pods must match.")
     tolerations: list = option(TRAINING.tolerations, "Pod tolerations (default: tolerate the GPU taint).")
 
@@ -181,7 +198,14 @@ class MultiNode:
             return
         if self.rollout_gpus:
             self.check_sidecar(engine, stage_config)
-        elif engine == "vllm-server":
+            return
+        if self.job_kind == "TrainJob" and self.training_runtime.startswith(f"{ROLLOUT_RUNTIME}-"):
+            raise ConfigError(
+                f"`training_runtime: {self.training_runtime}` starts a rollout-server sidecar in every pod, which "
+                "serves only with `rollout_gpus` (its GPUs) and rollout_engine vllm-server: set rollout_gpus "
+                f"{runtime_gpus(self.training_runtime) or 'N'} and rollout_engine vllm-server, or training_runtime "
+                "torch-distributed.")
+        if engine == "vllm-server":
             if stage_config.vllm_server_devices not in (None, "", str(self.gpus_per_node)):
                 raise ConfigError(
                     f"`vllm_server_devices` is set by the multi-node launcher (GPU "
@@ -189,16 +213,25 @@ class MultiNode:
                 )
 
     def check_sidecar(self, engine: str, stage_config: Any) -> None:
-        """`rollout_gpus` >= 1: a sidecar container serves the node's rollouts (PyTorchJob, vllm-server, no address)."""
+        """`rollout_gpus` >= 1: a sidecar container serves the node's rollouts (vllm-server, no address of its own;
+        a TrainJob on the chart's runtime whose sidecar has exactly `rollout_gpus` GPUs)."""
         if engine != "vllm-server":
             raise ConfigError(f"`rollout_gpus` gives the server of rollout_engine vllm-server its own GPUs, but the "
                               f"section's rollout_engine is {engine}: set rollout_engine vllm-server, or remove it.")
-        if self.job_kind != "PyTorchJob":
+        wanted = rollout_runtime(self.rollout_gpus)
+        if self.job_kind == "TrainJob" and self.training_runtime != wanted:
+            has = runtime_gpus(self.training_runtime)
+            if has is None:
+                raise ConfigError(
+                    f"`rollout_gpus: {self.rollout_gpus}` on a TrainJob needs a runtime whose pods have the "
+                    f"rollout-server sidecar (Trainer 2.3's runtimePatches cannot add a container), but "
+                    f"training_runtime is {self.training_runtime}: set training_runtime {wanted} (the chart's, with "
+                    f"rolloutRuntimes.enabled and {self.rollout_gpus} in rolloutRuntimes.gpus), or job_kind PyTorchJob.")
             raise ConfigError(
-                "`rollout_gpus` runs the rollout server as a container of its own, which a TrainJob cannot add to its "
-                "pods (Trainer 2.3's runtimePatches change only the env, mounts and security context of the runtime's "
-                "containers): set job_kind PyTorchJob, or rollout_gpus 0 (the server then runs in the node's "
-                "container, on one GPU more).")
+                f"`training_runtime: {self.training_runtime}` gives the rollout-server sidecar {has} GPU(s) (a "
+                f"TrainJob cannot patch a container's resources), but rollout_gpus is {self.rollout_gpus}: set "
+                f"training_runtime {wanted} (with {self.rollout_gpus} in the chart's rolloutRuntimes.gpus), or "
+                f"rollout_gpus {has}.")
         given = [k for k in ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_devices")
                  if getattr(stage_config, k, None) not in (None, "")]
         if given:
@@ -304,6 +337,17 @@ def node_script(stage: str, multi: MultiNode) -> str:
     return f"set -euo pipefail\n{prepare}\nexec {shlex.join(launch)} {rank} {stage_cmd}"
 
 
+def rollout_runtime(gpus: int) -> str:
+    """The chart's ClusterTrainingRuntime whose pods have the rollout-server sidecar with `gpus` GPUs."""
+    return f"{ROLLOUT_RUNTIME}-{gpus}gpu"
+
+
+def runtime_gpus(name: str) -> int | None:
+    """The sidecar GPUs of a runtime `rollout_runtime` names; None for any other runtime."""
+    m = re.fullmatch(rf"{re.escape(ROLLOUT_RUNTIME)}-([1-9][0-9]*)gpu", name)
+    return int(m.group(1)) if m else None
+
+
 def rollout_server_args(config, multi: MultiNode) -> list[str]:
     """`alignflow rollout-server` options for the sidecar of a pod whose ranks train with the RL stage `config`:
     the length, dtype and memory share the trainer would give the server it starts itself (shared.start_engine)."""
@@ -322,7 +366,7 @@ def rollout_sidecar(server_args: list[str], env: list[dict[str, Any]], multi: Mu
     (`serve-rollout`) and serves it; the trainer pushes its weights first thing, and after every update."""
     ready = {"httpGet": {"path": "/ready", "port": ROLLOUT_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
     return {
-        "name": "rollout-server",
+        "name": SIDECAR,
         "image": image,
         "restartPolicy": "Always",
         "command": ["python", "-m", "components.trainjob", "serve-rollout", *server_args],
@@ -357,7 +401,7 @@ def render(
     `values`, which `config` was resolved from (components.inputs.resolve_stage)."""
     gpus = multi.gpus_per_node
     sidecar = multi.rollout_gpus > 0 and values.get("rollout_engine") == "vllm-server"
-    if sidecar:  # each pod's own server, beside the trainer (PyTorchJob)
+    if sidecar:  # each pod's own server, beside the trainer
         server_args = rollout_server_args(config, multi)
         values = {**values, "vllm_server_host": "127.0.0.1", "vllm_server_port": ROLLOUT_PORT}
     elif values.get("rollout_engine") == "vllm-server":
@@ -400,6 +444,8 @@ def render(
                 ],
             },
         }
+        if sidecar:  # the runtime's own sidecar (check_sidecar: alignflow-rollout-<N>gpu) gets this job's server
+            pod_patch["spec"]["initContainers"] = [rollout_patch(server_args, env, shm_mount)]
         spec = {
             "runtimeRef": {"name": multi.training_runtime},
             "trainer": trainer,
@@ -441,6 +487,14 @@ def render(
     }
 
 
+def rollout_patch(server_args: list[str], env: list[dict[str, Any]], shm_mount: dict[str, str]) -> dict[str, Any]:
+    """A TrainJob's patch of its runtime's rollout-server sidecar: all a patch may set there is the env, mounts and
+    security context (Trainer 2.3), so the server's options travel as ALIGNFLOW_ROLLOUT_ARGS, which the runtime's
+    `python -m components.trainjob serve-rollout` (no arguments) reads; its image, GPUs and probes are the runtime's."""
+    return {"name": SIDECAR, "env": [*env, {"name": ROLLOUT_ARGS_ENV, "value": shlex.join(server_args)}],
+            "volumeMounts": [shm_mount], "securityContext": CONTAINER_SECURITY_CONTEXT}
+
+
 def _node_patch(pod_patch: dict[str, Any]) -> dict[str, Any]:
     """A TrainJob `runtimePatches` entry (Kubeflow Trainer >= 2.2, which replaced `podTemplateOverrides`)
     applying a pod template patch to the runtime's `node` job."""
@@ -451,10 +505,13 @@ def _node_patch(pod_patch: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def pod_templates(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+def pod_templates(manifest: dict[str, Any], runtime: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The pod template(s) a manifest makes, as the operator will build them (for validation and tests).
 
-    A TrainJob's pod is the runtime's `node` container with `spec.trainer` and the runtime patch applied.
+    A TrainJob's pod is its runtime's `node` pod template (`runtime`, the ClusterTrainingRuntime it names; without
+    it, a bare `node` container) with the runtime patch merged in as Trainer 2.3 merges it (a strategic merge patch:
+    containers, init containers, volumes and env by name, mounts by path), then `spec.trainer` set on `node`.
+    A patch of an init container needs the runtime that has it.
     """
     if manifest["kind"] == "PyTorchJob":
         return [r["template"] for r in manifest["spec"]["pytorchReplicaSpecs"].values()]
@@ -463,17 +520,37 @@ def pod_templates(manifest: dict[str, Any]) -> list[dict[str, Any]]:
         "replicatedJobs"
     ]
     patch = job["template"]["spec"]["template"]
-    spec = {k: v for k, v in patch["spec"].items() if k != "containers"}
-    (node,) = [c for c in patch["spec"]["containers"] if c["name"] == "node"]
-    container = {
-        "name": "node",
-        "image": trainer["image"],
-        "command": trainer["command"],
-        "env": trainer["env"],
-        "resources": trainer["resourcesPerNode"],
-        **{k: v for k, v in node.items() if k != "name"},
-    }
-    return [{"metadata": patch["metadata"], "spec": {**spec, "containers": [container]}}]
+    if runtime is None:
+        if patch["spec"].get("initContainers"):
+            raise ValueError("the TrainJob patches the init containers of its runtime: pass the runtime "
+                             f"({manifest['spec']['runtimeRef']['name']}) to build its pods")
+        base = {"spec": {"containers": [{"name": "node"}]}}
+    else:
+        if runtime["metadata"]["name"] != manifest["spec"]["runtimeRef"]["name"]:
+            raise ValueError(f"the TrainJob runs on {manifest['spec']['runtimeRef']['name']}, "
+                             f"not on {runtime['metadata']['name']}")
+        jobs = {j["name"]: j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+        base = jobs[job["name"]]["template"]["spec"]["template"]
+    pod = copy.deepcopy(_merge(base, patch))
+    (node,) = [c for c in pod["spec"]["containers"] if c["name"] == "node"]
+    node |= {"image": trainer["image"], "command": trainer["command"],
+             "env": _merge(node.get("env", []), trainer["env"]), "resources": trainer["resourcesPerNode"]}
+    return [{"metadata": pod.get("metadata", {}), "spec": pod["spec"]}]
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """`patch` merged into `base` as a strategic merge patch merges the pod fields alignflow patches: mappings key by
+    key, lists of objects by `name` (`mountPath` for volume mounts), other lists and values replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(x, dict) for x in base + patch):
+        key = next((k for k in ("mountPath", "name") if all(k in x for x in base + patch)), None)
+        if key:
+            merged = {x[key]: x for x in base}
+            for x in patch:
+                merged[x[key]] = _merge(merged[x[key]], x) if x[key] in merged else x
+            return list(merged.values())
+    return patch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,7 +639,13 @@ def prepare_config(path: str) -> str:
 
 def serve_rollout(server_args: list[str]) -> None:
     """The rollout sidecar: copy the stage's `model` (ALIGNFLOW_STAGE_CONFIG) to this container, then become
-    `alignflow rollout-server --model <it>` (exec: the kubelet's SIGTERM reaches the server, which drains)."""
+    `alignflow rollout-server --model <it> <server_args>` (exec: the kubelet's SIGTERM reaches the server, which
+    drains). No `server_args`: they come from ALIGNFLOW_ROLLOUT_ARGS (a TrainJob's patch of its runtime's sidecar)."""
+    if not server_args:
+        if not os.environ.get(ROLLOUT_ARGS_ENV):
+            raise SystemExit(f"serve-rollout: no server options: give them as arguments or in {ROLLOUT_ARGS_ENV} "
+                             f"(a TrainJob on {ROLLOUT_RUNTIME}-<N>gpu gets them from alignflow's runtime patch).")
+        server_args = shlex.split(os.environ[ROLLOUT_ARGS_ENV])
     model = json.loads(os.environ[CONFIG_ENV])["model"]
     if storage.is_remote(model):
         model = storage.fetch_to_local(model)
@@ -572,7 +655,8 @@ def serve_rollout(server_args: list[str]) -> None:
 
 
 USAGE = ("usage: python -m components.trainjob prepare-config FILE\n"
-         "       python -m components.trainjob serve-rollout [alignflow rollout-server options, without --model]")
+         "       python -m components.trainjob serve-rollout [alignflow rollout-server options, without --model;\n"
+         f"                                                    none: those in {ROLLOUT_ARGS_ENV}]")
 
 
 def main(argv: list[str] | None = None) -> int:

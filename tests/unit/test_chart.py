@@ -1,6 +1,7 @@
 """charts/alignflow renders, lints and validates against the Kubernetes 1.30 and 1.33 schemas
-(strict) for several value sets; the upload Job ships the compiled pipeline; the schedule comes
-from values. Offline: helm-python-sdk bundles Helm's Go SDK, kubernetes-validate its schemas."""
+(strict) for several value sets (its ClusterTrainingRuntimes against Kubeflow Trainer's CRD); the
+upload Job ships the compiled pipeline; the schedule comes from values. Offline: helm-python-sdk
+bundles Helm's Go SDK, kubernetes-validate its schemas."""
 
 import base64
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import CHART, by_kind, render_chart
+from tests.helpers import CHART, by_kind, crd_validator, render_chart, schema_errors
 
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -31,6 +32,8 @@ VALUE_SETS = {
         "secrets": {**SECRETS, "s3": {**SECRETS["s3"], "endpointUrl": "https://s3.example.com"}},
         "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "x", "operator": "Exists"}]},
     "nothing-but-rbac": {"mlflow": {"enabled": False}, "kfp": {"upload": {"enabled": False}}},
+    "rollout-runtimes": {"rolloutRuntimes": {"enabled": True, "gpus": [1, 4], "accelerator": "amd.com/gpu"},
+                         "runAsUser": 2000},
     "narrowed-network-existing-admin": {
         "mlflow": {"auth": {"existingSecret": "alignflow-mlflow"}, "extraAllowedHosts": ["mlflow.example.com"]},
         "networkPolicy": {
@@ -53,13 +56,47 @@ def test_lint_is_clean():
         assert not [m for m in report["messages"] if m["severity"] >= 2], report
 
 
+CUSTOM_RESOURCES = {"ClusterTrainingRuntime": "trainer.kubeflow.org_clustertrainingruntimes.yaml"}
+
+
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_every_manifest_validates_strictly(name, version):
+    """Core objects against Kubernetes' schemas, Kubeflow's against the CRDs in tests/data/crds."""
     docs = render_chart(VALUE_SETS[name])
     assert docs
     for doc in docs:
-        kubernetes_validate.validate(doc, version, strict=True)
+        if doc["kind"] in CUSTOM_RESOURCES:
+            assert schema_errors(crd_validator(CUSTOM_RESOURCES[doc["kind"]]), doc) == [], doc["metadata"]["name"]
+        else:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_rollout_runtimes_are_one_per_gpu_count_from_values():
+    """Off by default (cluster-scoped, and needs Kubeflow Trainer's CRDs); on: one ClusterTrainingRuntime per GPU
+    count, named as components/trainjob.py's rollout_runtime names it, with the GPUs, CPUs and memory of the values,
+    the port and probes the launcher expects, the pods' uid, and no API token. A count below 1 fails the render."""
+    from components import trainjob
+
+    assert not by_kind(render_chart({}), "ClusterTrainingRuntime")
+    runtimes = by_kind(render_chart(VALUE_SETS["rollout-runtimes"]), "ClusterTrainingRuntime")
+    assert [r["metadata"]["name"] for r in runtimes] == [trainjob.rollout_runtime(1), trainjob.rollout_runtime(4)]
+    for gpus, runtime in zip((1, 4), runtimes):
+        assert trainjob.runtime_gpus(runtime["metadata"]["name"]) == gpus
+        (job,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+        pod = job["template"]["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsUser"] == 2000
+        (sidecar,) = pod["initContainers"]
+        assert sidecar["name"] == trainjob.SIDECAR and sidecar["restartPolicy"] == "Always"
+        assert sidecar["resources"] == {
+            "requests": {"cpu": str(8 * gpus), "memory": f"{32 * gpus}Gi", "amd.com/gpu": str(gpus)},
+            "limits": {"memory": f"{32 * gpus}Gi", "amd.com/gpu": str(gpus)}}
+        assert sidecar["ports"] == [{"name": "rollout", "containerPort": trainjob.ROLLOUT_PORT}]
+        assert {sidecar[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+            trainjob.ROLLOUT_PORT}
+        assert sidecar["image"] == "ghcr.io/alignflow/trainer:0.1.0"
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError, match="rolloutRuntimes.gpus: 0"):
+        chart.render({"rolloutRuntimes": {"enabled": True, "gpus": [0]}}, name="rel", namespace="ml", is_install=True)
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)

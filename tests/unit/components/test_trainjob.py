@@ -5,6 +5,7 @@ wait against fake Kubernetes APIs."""
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -143,13 +144,23 @@ def test_job_pods_are_locked_down(kind):
         assert template["metadata"]["labels"]["alignflow.io/mlflow-client"] == "true"
 
 
+TRAINJOB_SIDECAR = {"rollout_gpus": 2, "training_runtime": "alignflow-rollout-2gpu"}
+
+
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
-@pytest.mark.parametrize(("kind", "keys"), [("TrainJob", {}), ("PyTorchJob", {}), ("PyTorchJob", {"rollout_gpus": 1})],
-                         ids=["TrainJob", "PyTorchJob", "PyTorchJob-rollout-sidecar"])
-def test_pod_templates_validate_strictly(kind, keys, version):
+@pytest.mark.parametrize(("kind", "keys"), [("TrainJob", {}), ("PyTorchJob", {}), ("PyTorchJob", {"rollout_gpus": 1}),
+                                            ("TrainJob", TRAINJOB_SIDECAR)],
+                         ids=["TrainJob", "PyTorchJob", "PyTorchJob-rollout-sidecar", "TrainJob-rollout-sidecar"])
+def test_pod_templates_validate_strictly(kind, keys, version, request):
+    """The pods as the operator builds them validate as core Pods (a TrainJob's: the runtime's pod template with the
+    patch merged; with the sidecar, the chart's alignflow-rollout-2gpu runtime)."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     job, _ = two_node_grpo(job_kind=kind, node_selector={"pool": "h100"}, **keys)
-    templates = trainjob.pod_templates(job)
+    runtime = request.getfixturevalue("rollout_runtimes")[keys["training_runtime"]] if "training_runtime" in keys \
+        else None
+    templates = trainjob.pod_templates(job, runtime)
+    if runtime:
+        assert [c["name"] for c in templates[0]["spec"]["initContainers"]] == ["rollout-server"]
     assert len(templates) == (1 if kind == "TrainJob" else 2)
     for template in templates:
         pod = {
@@ -774,8 +785,96 @@ def test_the_sidecar_copies_the_model_then_becomes_the_server(tmp_path, monkeypa
     assert argv == ["-m", "trainer.cli", "rollout-server", "--model", str(tmp_path), *sidecar["command"][4:]]
 
 
+def test_rollout_gpus_run_the_server_as_the_sidecar_of_the_trainjobs_runtime(rollout_runtimes):
+    """A TrainJob with rollout_gpus names the chart's runtime whose pods have the sidecar with those GPUs; its patch
+    gives the sidecar the stage config and the server's options (ALIGNFLOW_ROLLOUT_ARGS), and the pod the operator
+    builds (runtime + patch + trainer) has the same sidecar as a PyTorchJob's pod."""
+    from trainer.rollout.server import make_parser
+
+    options = {"max_prompt_length": 96, "max_completion_length": 160}
+    job, multi = two_node_grpo(**TRAINJOB_SIDECAR, **options)
+    assert job["spec"]["runtimeRef"] == {"name": "alignflow-rollout-2gpu"}
+    assert job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "4"  # the ranks' GPUs only
+    (patch,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    (sidecar_patch,) = patch["template"]["spec"]["template"]["spec"]["initContainers"]
+    assert set(sidecar_patch) == {"name", "env", "volumeMounts", "securityContext"}  # all a patch may set
+    (template,) = trainjob.pod_templates(job, rollout_runtimes["alignflow-rollout-2gpu"])
+    (trainer,) = template["spec"]["containers"]
+    (sidecar,) = template["spec"]["initContainers"]
+    stage = json.loads(next(e["value"] for e in trainer["env"] if e["name"] == trainjob.CONFIG_ENV))
+    assert (stage["vllm_server_host"], stage["vllm_server_port"]) == ("127.0.0.1", trainjob.ROLLOUT_PORT)
+    assert "vllm_server_devices" not in stage
+    assert sidecar["name"] == "rollout-server" and sidecar["restartPolicy"] == "Always"
+    assert sidecar["command"] == ["python", "-m", "components.trainjob", "serve-rollout"]
+    assert sidecar["resources"] == multi.resources(2)  # the chart's defaults equal a PyTorchJob sidecar's
+    for probe in ("startupProbe", "readinessProbe"):
+        assert sidecar[probe]["httpGet"] == {"path": "/ready", "port": trainjob.ROLLOUT_PORT}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/health", "port": trainjob.ROLLOUT_PORT}
+    assert sidecar["ports"] == [{"name": "rollout", "containerPort": trainjob.ROLLOUT_PORT}]
+    assert sidecar["startupProbe"]["periodSeconds"] * sidecar["startupProbe"]["failureThreshold"] >= 600
+    assert sidecar["securityContext"] == trainer["securityContext"]
+    assert sidecar["volumeMounts"] == trainer["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert template["spec"]["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
+    assert template["spec"]["automountServiceAccountToken"] is False  # the runtime's, which a patch cannot set
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert [e for e in sidecar["env"] if e["name"] != trainjob.ROLLOUT_ARGS_ENV] == trainer["env"]
+    args = make_parser().parse_args(["--model", "m", *shlex.split(env[trainjob.ROLLOUT_ARGS_ENV]["value"])])
+    assert (args.host, args.port, args.max_model_len, args.dtype, args.data_parallel_size,
+            args.gpu_memory_utilization) == ("127.0.0.1", trainjob.ROLLOUT_PORT, 256, "bfloat16", 2, 0.2)
+    # The same server a PyTorchJob's sidecar starts.
+    pytorchjob, _ = two_node_grpo(job_kind="PyTorchJob", rollout_gpus=2, **options)
+    (pytorch_sidecar,) = trainjob.pod_templates(pytorchjob)[0]["spec"]["initContainers"]
+    assert shlex.split(env[trainjob.ROLLOUT_ARGS_ENV]["value"]) == pytorch_sidecar["command"][4:]
+    for key in ("restartPolicy", "resources", "ports", "startupProbe", "readinessProbe", "livenessProbe",
+                "securityContext", "volumeMounts"):
+        assert sidecar[key] == pytorch_sidecar[key], key
+
+
+def test_pod_templates_need_the_runtime_of_a_patched_sidecar(rollout_runtimes):
+    job, _ = two_node_grpo(**TRAINJOB_SIDECAR)
+    with pytest.raises(ValueError, match="pass the runtime .alignflow-rollout-2gpu."):
+        trainjob.pod_templates(job)
+    with pytest.raises(ValueError, match="runs on alignflow-rollout-2gpu, not on alignflow-rollout-1gpu"):
+        trainjob.pod_templates(job, rollout_runtimes["alignflow-rollout-1gpu"])
+
+
+def test_the_trainjob_sidecar_reads_its_options_from_the_env_then_becomes_the_server(tmp_path, monkeypatch,
+                                                                                     rollout_runtimes):
+    """The runtime's sidecar runs `serve-rollout` with no arguments: the options come from ALIGNFLOW_ROLLOUT_ARGS."""
+    job, _ = two_node_grpo(**TRAINJOB_SIDECAR)
+    (sidecar,) = trainjob.pod_templates(job, rollout_runtimes["alignflow-rollout-2gpu"])[0]["spec"]["initContainers"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    for name in (trainjob.CONFIG_ENV, trainjob.ROLLOUT_ARGS_ENV):
+        monkeypatch.setenv(name, env[name])
+    fetched, execs = [], []
+    monkeypatch.setattr(trainjob.storage, "fetch_to_local", lambda uri: fetched.append(uri) or str(tmp_path))
+    monkeypatch.setattr(trainjob.os, "execv", lambda path, argv: execs.append(argv))
+    trainjob.main(sidecar["command"][3:])
+    assert fetched == [INPUTS["model"]]
+    ((python, *argv),) = execs
+    assert argv == ["-m", "trainer.cli", "rollout-server", "--model", str(tmp_path),
+                    *shlex.split(env[trainjob.ROLLOUT_ARGS_ENV])]
+    monkeypatch.delenv(trainjob.ROLLOUT_ARGS_ENV)
+    with pytest.raises(SystemExit, match="no server options: give them as arguments or in ALIGNFLOW_ROLLOUT_ARGS"):
+        trainjob.main(["serve-rollout"])
+
+
 @pytest.mark.parametrize(("keys", "message"), [
-    ({"job_kind": "TrainJob"}, "which a TrainJob cannot add to its pods.*set job_kind PyTorchJob"),
+    ({"job_kind": "TrainJob"}, r"`rollout_gpus: 1` on a TrainJob needs a runtime whose pods have the rollout-server "
+                               r"sidecar .* but training_runtime is torch-distributed: set training_runtime "
+                               r"alignflow-rollout-1gpu \(the chart's, with rolloutRuntimes.enabled and 1 in "
+                               r"rolloutRuntimes.gpus\), or job_kind PyTorchJob"),
+    ({"job_kind": "TrainJob", "training_runtime": "my-runtime"}, "but training_runtime is my-runtime: set "
+                                                                 "training_runtime alignflow-rollout-1gpu"),
+    ({"job_kind": "TrainJob", "training_runtime": "alignflow-rollout-2gpu"},
+     r"`training_runtime: alignflow-rollout-2gpu` gives the rollout-server sidecar 2 GPU\(s\) .* but rollout_gpus "
+     r"is 1: set training_runtime alignflow-rollout-1gpu \(with 1 in the chart's rolloutRuntimes.gpus\), or "
+     r"rollout_gpus 2"),
+    ({"job_kind": "TrainJob", "training_runtime": "alignflow-rollout-1gpu", "rollout_gpus": None},
+     "`training_runtime: alignflow-rollout-1gpu` starts a rollout-server sidecar in every pod, which serves only "
+     "with `rollout_gpus`.*: set rollout_gpus 1 and rollout_engine vllm-server, or training_runtime torch-distributed"),
+    ({"job_kind": "TrainJob", "training_runtime": "alignflow-rollout-1gpu", "rollout_engine": "hf"},
+     "the section's rollout_engine is hf: set rollout_engine vllm-server"),
     ({"rollout_engine": "hf"}, "the section's rollout_engine is hf: set rollout_engine vllm-server"),
     ({"vllm_server_host": "10.0.0.7"}, "starts each node's own server.*remove `vllm_server_host`"),
     ({"nodes": 1, "gpus_per_node": 2, "job_kind": None}, "`rollout_gpus` sets the pods of a multi-node job.*cluster.train.gpus"),
