@@ -535,7 +535,7 @@ class SerialSFT:
     output moved into Arrow files. Tests compare the Arrow path's examples, batches and trained weights with it."""
 
     def __init__(self, ds, tokenizer, name: str, max_length: int, truncation_mode: str,
-                 completion_only_loss: bool = True, assistant_only_loss: bool = True) -> None:
+                 completion_only_loss: bool = True, assistant_only_loss: bool = True, num_proc: int | None = None) -> None:
         import numpy as np
 
         from trainer.data.formatting import detect_sft_format, tokenize_sft_row, truncate

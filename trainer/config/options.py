@@ -100,6 +100,10 @@ class TrainConfig:
                                               "`datasets.load_dataset`: for hub ids and folders with a dataset card.")
     dataset_split: str = option("train", "Split to use when the dataset has several (hub ids, saved DatasetDicts).",
                                 aliases=("dataset_train_split",))
+    dataset_num_proc: int | None = option(
+        None, "Processes that tokenize the data (TRL's name). Unset: one below 50,000 rows, else every CPU this "
+              "process may use (one process per node tokenizes; the node's other ranks wait and map its file). The "
+              "tokens are the same for any count.")
     dataset_mixture: str | None = option(
         None, "Train on several datasets at once, instead of `dataset` (TRL's `datasets:` list): a YAML/JSON list of "
               "{path, name, data_dir, data_files, split, columns, fraction} mappings. Each part loads like `dataset` "
@@ -241,6 +245,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise ConfigError(f"`dataset_num_proc` must be >= 1 (or unset: chosen from the data's size), got "
+                              f"{self.dataset_num_proc}.")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"`max_steps` must be positive or -1 (use `num_epochs`), got {self.max_steps}.")
         if self.max_steps == -1 and self.num_epochs <= 0:

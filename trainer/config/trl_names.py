@@ -129,7 +129,6 @@ KNOWN: dict[str, Known] = {
     "dataset_text_field": only(("text",), "SFT reads text from a `text` column; rename the column to `text`"),
     "dataset_kwargs": unset("not supported: alignflow reads `text`, `prompt`/`completion` and `messages` data "
                             "as they are"),
-    "dataset_num_proc": any_value(NO_WORKERS),
     "dataset_streaming": unset("streaming is not supported: datasets are loaded (and fingerprinted) in full"),
     "streaming": unset("streaming is not supported: datasets are loaded (and fingerprinted) in full"),
     "dataloader_num_workers": any_value(NO_WORKERS),

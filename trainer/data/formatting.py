@@ -181,7 +181,8 @@ def truncate(ids: list[int], mask: list[int], max_length: int, mode: str):
 
 
 def tokenize_sft(ds: datasets.Dataset, tokenizer, name: str, max_length: int, truncation_mode: str,
-                 completion_only_loss: bool = True, assistant_only_loss: bool = True) -> TokenizedSFT:
+                 completion_only_loss: bool = True, assistant_only_loss: bool = True,
+                 num_proc: int | None = None) -> TokenizedSFT:
     """Tokenize SFT data into the tokenized-data cache (`trainer.data.token_cache`), apply the length policy and
     mark the examples with nothing to learn; a second call with the same rows, tokenizer and options maps the
     Arrow file the first one wrote."""
@@ -210,7 +211,7 @@ def tokenize_sft(ds: datasets.Dataset, tokenizer, name: str, max_length: int, tr
     options = {"format": fmt, "max_length": max_length, "truncation_mode": truncation_mode,
                "completion_only_loss": completion_only_loss, "assistant_only_loss": assistant_only_loss}
     table = cached_map(ds, "sft", {"data": dataset_fingerprint(ds), "tokenizer": tokenizer_fingerprint(tokenizer),
-                                   **options}, tokenize_batch, SFT_FEATURES, f"Tokenizing {name}")
+                                   **options}, tokenize_batch, SFT_FEATURES, f"Tokenizing {name}", num_proc)
     out = TokenizedSFT(table)
     report_lengths(name, len(ds), max_length, truncation_mode, out.num_truncated, out.num_dropped_long,
                    out.num_dropped_no_loss, len(out), dropped_no_target=out.num_dropped_no_target, fmt=fmt)

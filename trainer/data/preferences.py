@@ -213,7 +213,7 @@ class TokenizedPairs:
 
 
 def _tokenize_pairs(ds: datasets.Dataset, tokenizer, name: str, kind: str, options: dict,
-                    tokenize_batch: Callable) -> TokenizedPairs:
+                    tokenize_batch: Callable, num_proc: int | None = None) -> TokenizedPairs:
     """`tokenize_batch` over the rows into the tokenized-data cache (or the entry a previous run wrote), keyed by
     the rows, the tokenizer and `options`; pairs whose texts are equal are reported (as `load_pairs` does)."""
     from trainer.data.sources import dataset_fingerprint
@@ -222,7 +222,7 @@ def _tokenize_pairs(ds: datasets.Dataset, tokenizer, name: str, kind: str, optio
     if len(ds) == 0:  # no pair to learn from, as when every pair is identical (and nothing to map)
         _report_same_texts(name, 0, 0, 0)
     key = {"data": dataset_fingerprint(ds), "tokenizer": tokenizer_fingerprint(tokenizer), **options}
-    data = TokenizedPairs(cached_map(ds, kind, key, tokenize_batch, PAIR_FEATURES, f"Tokenizing {name}"))
+    data = TokenizedPairs(cached_map(ds, kind, key, tokenize_batch, PAIR_FEATURES, f"Tokenizing {name}", num_proc))
     same = data.count(SAME_TEXT)
     _report_same_texts(name, same, len(ds), len(ds) - same)
     return data
@@ -279,7 +279,7 @@ def _dpo_pair_tokens(tokenizer, pair: PreferenceText, chat: bool, max_length: in
 
 
 def tokenize_dpo_pairs(ds: datasets.Dataset, tokenizer, name: str, max_length: int, max_prompt_length: int,
-                       truncation_mode: str) -> TokenizedPairs:
+                       truncation_mode: str, num_proc: int | None = None) -> TokenizedPairs:
     """The pairs of a dataset under DPO's policy (`_dpo_pair_tokens`), in the tokenized-data cache; a second call
     with the same rows, tokenizer and options maps the Arrow file the first one wrote. Errors name missing
     columns; pairs with nothing to learn are dropped and counted."""
@@ -297,7 +297,7 @@ def tokenize_dpo_pairs(ds: datasets.Dataset, tokenizer, name: str, max_length: i
 
     options = {"chat": chat, "max_length": max_length, "max_prompt_length": max_prompt_length,
                "truncation_mode": truncation_mode}
-    data = _tokenize_pairs(ds, tokenizer, name, "dpo", options, tokenize_batch)
+    data = _tokenize_pairs(ds, tokenizer, name, "dpo", options, tokenize_batch, num_proc)
     total = len(ds)
     if data.num_prompts_cut:
         log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d and lost their start.",
@@ -379,7 +379,7 @@ def read_margins(rows, indices: list[int], name: str) -> list[float] | None:
 
 
 def tokenize_reward_pairs(ds: datasets.Dataset, tokenizer, name: str, max_length: int,
-                          truncation_mode: str) -> TokenizedPairs:
+                          truncation_mode: str, num_proc: int | None = None) -> TokenizedPairs:
     """The pairs of a dataset under the reward model's policy, in the tokenized-data cache: prompt + reply
     tokenized as one text (`reward_texts`; the prompts stay empty), long texts cut on the tokenizer's
     `truncation_side` (or dropped), and pairs whose two texts became identical dropped. `margins` holds the
@@ -410,7 +410,7 @@ def tokenize_reward_pairs(ds: datasets.Dataset, tokenizer, name: str, max_length
 
     options = {"max_length": max_length, "truncation_mode": truncation_mode,
                "truncation_side": tokenizer.truncation_side}
-    data = _tokenize_pairs(ds, tokenizer, name, "reward", options, tokenize_batch)
+    data = _tokenize_pairs(ds, tokenizer, name, "reward", options, tokenize_batch, num_proc)
     texts = data.status != SAME_TEXT  # [rows] the pairs tokenized
     margins = read_margins(ds, [int(i) for i in texts.nonzero()[0]], name)
     if margins is not None:

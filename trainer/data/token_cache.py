@@ -17,6 +17,8 @@ A second run (or a retried pipeline task) with the same key maps the same file a
 when complete, with a `meta.json` giving its row count and the file's sha256, both checked on every load: a
 partial or corrupt entry is rebuilt, never trusted. Under several processes the caller lets one process per
 node build the entry first (`accelerator.local_main_process_first()`); the others then load the same file.
+From 50,000 rows that process splits the map over every CPU it may use (`dataset_num_proc` sets the count); the
+workers' shards are joined into the entry's one file, so the entry is the same whatever the count.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 VERSION = 2  # raise when a change to the tokenizing code changes the tokens it writes
 DATA_FILE, META_FILE = "data.arrow", "meta.json"
+SHARD_FILE = "shards.arrow"  # with several workers, datasets writes shards_<rank>_of_<n>.arrow, joined into DATA_FILE
+PARALLEL_FROM_ROWS = 50_000  # rows from which a tokenizing map runs in several processes by default
 
 
 def tokenized_cache_root() -> Path:
@@ -99,10 +103,36 @@ def load_entry(folder: Path) -> datasets.Dataset | None:
     return ds
 
 
+def map_processes(num_rows: int, asked: int | None = None) -> int:
+    """Processes for one tokenizing map: `asked` (`dataset_num_proc`), else one below `PARALLEL_FROM_ROWS` rows
+    (starting workers costs more than it saves) and every CPU this process may use above (one process per node
+    tokenizes while the node's other ranks wait)."""
+    if asked is not None:
+        return max(1, asked)
+    return 1 if num_rows < PARALLEL_FROM_ROWS else max(1, len(os.sched_getaffinity(0)))
+
+
+def _join_shards(built: datasets.Dataset, folder: Path) -> datasets.Dataset:
+    """The workers' shards of `built` (memory-mapped, in order) streamed into `folder/DATA_FILE` in the Arrow
+    stream format datasets writes, the shards removed; the joined file, memory-mapped."""
+    import pyarrow as pa
+
+    table = built.data.table
+    with pa.OSFile(str(folder / DATA_FILE), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches():
+            writer.write_batch(batch)
+    del built, table
+    for shard in folder.glob("shards_*_of_*.arrow"):
+        shard.unlink()
+    return datasets.Dataset.from_file(str(folder / DATA_FILE))
+
+
 def cached_map(rows: datasets.Dataset, kind: str, key_parts: dict[str, Any], function: Callable,
-               features: datasets.Features, desc: str) -> datasets.Dataset:
+               features: datasets.Features, desc: str, num_proc: int | None = None) -> datasets.Dataset:
     """`rows.map(function, batched=True, with_indices=True)` into the cache entry for `key_parts`, or the entry
-    a previous run wrote. `function` must return one output row per input row (columns of `features`)."""
+    a previous run wrote. `function` must return one output row per input row (columns of `features`).
+    `num_proc` (None: `map_processes`) splits the map over worker processes; the entry is one file either way,
+    with the same rows in the same order, so it is not part of the key."""
     key = cache_key({"kind": kind, **key_parts})
     root = tokenized_cache_root()
     final = root / f"{kind}-{key}"
@@ -112,9 +142,12 @@ def cached_map(rows: datasets.Dataset, kind: str, key_parts: dict[str, Any], fun
     tmp = root / f".{kind}-{key}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
+        workers = min(map_processes(len(rows), num_proc), max(1, len(rows)))
         built = rows.map(function, batched=True, batch_size=1000, with_indices=True, remove_columns=rows.column_names,
-                         features=features, cache_file_name=str(tmp / DATA_FILE), load_from_cache_file=False,
-                         new_fingerprint=key, desc=desc)
+                         features=features, cache_file_name=str(tmp / (SHARD_FILE if workers > 1 else DATA_FILE)),
+                         load_from_cache_file=False, new_fingerprint=key, desc=desc, num_proc=workers if workers > 1 else None)
+        if workers > 1:  # one shard file per worker: written out as the one file an entry holds, then removed
+            built = _join_shards(built, tmp)
         meta = {"rows": len(built), "columns": built.column_names, "sha256": _file_sha256(tmp / DATA_FILE),
                 "key": {"kind": kind, "version": VERSION, **key_parts}}
         del built  # release the memory map before the folder moves

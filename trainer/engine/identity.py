@@ -32,6 +32,7 @@ NOT_IDENTITY = frozenset({
     "eval_dataset", "eval_steps", "output_dir", "resume_from_checkpoint", "resume_allow_changes",
     "max_steps", "num_epochs",  # the length: a warning, not a different run
     "num_processes", "deepspeed", "gradient_checkpointing", "trust_remote_code", "disable_progress_bar",
+    "dataset_num_proc",  # how many processes tokenize: the same tokens
     "save_steps", "save_minutes", "save_total_limit", "stop_budget_seconds", "logging_steps", "lora_merge_on_save",
     "report_to", "mlflow_tracking_uri", "mlflow_experiment", "mlflow_run_name", "mlflow_parent_run_id",
     "mlflow_tags", "mlflow_log_checkpoint", "push_to_hub", "hub_model_id", "hub_private_repo",

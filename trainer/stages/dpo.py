@@ -124,7 +124,8 @@ class DPOConfig(TrainConfig):
 def load_split(rows, name: str, tokenizer, config: DPOConfig) -> TokenizedPairs:
     """Pairs of a dataset (errors name the missing columns; identical pairs dropped), tokenized into the
     tokenized-data cache."""
-    return tokenize_dpo_pairs(rows, tokenizer, name, config.max_length, config.prompt_limit, config.truncation_mode)
+    return tokenize_dpo_pairs(rows, tokenizer, name, config.max_length, config.prompt_limit, config.truncation_mode,
+                              config.dataset_num_proc)
 
 
 # ----------------------------------------------------------------------------------------------

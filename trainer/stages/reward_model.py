@@ -291,7 +291,8 @@ def run_reward(config: RewardConfig) -> str:
     rows, eval_rows = load_train_eval(config)
 
     def prepare(ds, name: str) -> TokenizedPairs:
-        return tokenize_reward_pairs(ds, tokenizer, name, config.max_length, config.truncation_mode)
+        return tokenize_reward_pairs(ds, tokenizer, name, config.max_length, config.truncation_mode,
+                                     config.dataset_num_proc)
 
     # One process per node tokenizes into the shared cache; the others then map the files it wrote.
     with run.accelerator.local_main_process_first():

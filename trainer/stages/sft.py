@@ -216,7 +216,8 @@ def run_sft(config: SFTConfig) -> str:
     model_path, tokenizer = model_and_tokenizer(config)
     rows, eval_rows = load_train_eval(config)
     tokenize = dict(tokenizer=tokenizer, max_length=config.max_length, truncation_mode=config.truncation_mode,
-                    completion_only_loss=config.completion_only_loss, assistant_only_loss=config.assistant_only_loss)
+                    completion_only_loss=config.completion_only_loss, assistant_only_loss=config.assistant_only_loss,
+                    num_proc=config.dataset_num_proc)
     # One process per node tokenizes into the shared cache; the others then map the files it wrote.
     with run.accelerator.local_main_process_first():
         train_data = tokenize_sft(rows, name=config.dataset, **tokenize)

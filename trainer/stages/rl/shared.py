@@ -192,7 +192,8 @@ def load_prompts(spec: str, split: str, tokenizer, config: RolloutConfig, rows=N
 
     key = {"data": dataset_fingerprint(prompts), "tokenizer": tokenizer_fingerprint(tokenizer),
            "max_prompt_length": limit, "truncation_mode": mode, "encoding": PROMPT_ENCODING}
-    table = cached_map(prompts, "prompts", key, tokenize_batch, PROMPT_FEATURES, f"Tokenizing prompts of {spec}")
+    table = cached_map(prompts, "prompts", key, tokenize_batch, PROMPT_FEATURES, f"Tokenizing prompts of {spec}",
+                       config.dataset_num_proc)
     long = table.data.column("length").to_numpy() > limit  # [num_rows]
     num_long, kept = int(long.sum()), None
     if num_long and mode == "drop":

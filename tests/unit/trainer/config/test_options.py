@@ -182,6 +182,8 @@ ALLOWED = {
     "model": _MODEL, "trust_remote_code": _MODEL, "dtype": _MODEL, "gradient_checkpointing": _MODEL,
     "lora_r": _MODEL, "lora_alpha": _MODEL, "lora_dropout": _MODEL, "lora_target_modules": _MODEL,
     "disable_dropout": _MODEL, "critic": _MODEL, "critic_model": _MODEL, "ref_model": _MODEL,
+    "dataset_num_proc": ("how many processes tokenize (the same tokens): tests/unit/trainer/data/test_token_cache.py::"
+                         "test_worker_processes_write_the_same_one_file_entry"),
     "chat_template_path": _DATA, "max_length": _DATA, "truncation_mode": _DATA, "completion_only_loss": _DATA,
     "assistant_only_loss": _DATA, "packing": _DATA, "padding_free": _DATA, "max_prompt_length": _DATA,
     "dataset_config": _DATA + " (a hub or dataset-card configuration; test_trl_names.py)",
@@ -218,7 +220,7 @@ REFUSED = {"ppo.gradient_accumulation_steps"}  # PPO accumulates mini_batch_size
 # TRL names accepted with any value: each must say here why it cannot change what is trained or saved.
 IGNORED_TRL_NAMES = {
     **dict.fromkeys(("dataloader_num_workers", "dataloader_persistent_workers", "dataloader_pin_memory",
-                     "dataloader_prefetch_factor", "dataset_num_proc"), "no loader workers: data are tokenized up front"),
+                     "dataloader_prefetch_factor"), "no loader workers: data are tokenized up front"),
     **dict.fromkeys(("ddp_backend", "ddp_broadcast_buffers", "ddp_bucket_cap_mb", "local_rank", "ignore_bias_buffers",
                      "half_precision_backend", "torch_empty_cache_steps"),
                     "process plumbing the runner sets: no effect on the update"),

@@ -178,3 +178,37 @@ def test_tokenizer_fingerprint_ignores_the_last_calls_truncation_and_padding(tok
     assert token_cache.tokenizer_fingerprint(tokenizer) == before
     tokenizer(["a b c"])  # (and a later plain call clears them)
     assert tokenizer.backend_tokenizer.truncation is None
+
+
+def test_worker_processes_write_the_same_one_file_entry(tokenizer, tmp_path, monkeypatch):
+    """`dataset_num_proc` 2 (the map in two worker processes, the tokenizer and the stage's closure sent to them)
+    gives an entry of one file with the same rows, tokens and per-row outcomes as one process: SFT, DPO pairs and
+    RL prompts."""
+    from types import SimpleNamespace
+
+    from trainer.data.preferences import tokenize_dpo_pairs
+    from trainer.stages.rl.shared import load_prompts
+
+    def build(num_proc: int):
+        root = tmp_path / f"cache-{num_proc}"
+        monkeypatch.setenv("ALIGNFLOW_CACHE", str(root))
+        sft = tokenize_sft(load_rows("demo:chat"), tokenizer, "demo:chat", 64, "drop", num_proc=num_proc)
+        pairs = tokenize_dpo_pairs(load_rows("demo:preferences"), tokenizer, "prefs", 48, 24, "keep_start", num_proc)
+        config = SimpleNamespace(max_prompt_length=8, truncation_mode="keep_end", dataset_num_proc=num_proc)
+        prompts = load_prompts("demo:math", "train", tokenizer, config)
+        entries = sorted(p.name for p in (root / "tokenized").iterdir())
+        files = {e: sorted(p.name for p in (root / "tokenized" / e).iterdir()) for e in entries}
+        return sft, pairs, prompts, files
+
+    sft1, pairs1, prompts1, files1 = build(1)
+    sft2, pairs2, prompts2, files2 = build(2)
+    assert files2 == files1 and all(f == [token_cache.DATA_FILE, token_cache.META_FILE] for f in files2.values())
+    assert sft2.table.to_dict() == sft1.table.to_dict() and sft1.num_dropped_long > 0
+    assert [pairs2.pair(i) for i in range(len(pairs2))] == [pairs1.pair(i) for i in range(len(pairs1))]
+    assert list(prompts2.token_ids) == list(prompts1.token_ids)
+
+
+def test_the_number_of_tokenizing_processes():
+    assert token_cache.map_processes(token_cache.PARALLEL_FROM_ROWS - 1) == 1
+    assert token_cache.map_processes(token_cache.PARALLEL_FROM_ROWS) == len(__import__("os").sched_getaffinity(0))
+    assert token_cache.map_processes(10, asked=3) == 3
