@@ -4,9 +4,9 @@ truncation and best-fit packing."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import datasets
 
@@ -75,17 +75,17 @@ SFT_FEATURES = datasets.Features({
 })
 
 
-class _TokenColumn(Sequence):
-    """One column of the kept examples, read row by row from the memory-mapped Arrow table."""
+class FieldView(Sequence):
+    """One field of every kept row of a tokenized table, read one row at a time: `view[i] == read(i)[field]`."""
 
-    def __init__(self, data: TokenizedSFT, column: str) -> None:
-        self.data, self.column = data, column
+    def __init__(self, owner, read: Callable[[int], Any], field: str | int) -> None:
+        self.owner, self.read, self.field = owner, read, field
 
     def __len__(self) -> int:
-        return len(self.data)
+        return len(self.owner)
 
-    def __getitem__(self, i: int) -> list[int]:
-        return self.data.row(i)[self.column]
+    def __getitem__(self, i: int):
+        return self.read(i)[self.field]
 
 
 class TokenizedSFT:
@@ -107,8 +107,8 @@ class TokenizedSFT:
         self.num_dropped_long = int((status == DROPPED_LONG).sum())
         self.num_dropped_no_loss = int((status == DROPPED_NO_LOSS).sum())
         self.num_dropped_no_target = int((status == DROPPED_NO_TARGET).sum())
-        self.input_ids = _TokenColumn(self, "input_ids")
-        self.loss_mask = _TokenColumn(self, "loss_mask")
+        self.input_ids = FieldView(self, self.row, "input_ids")
+        self.loss_mask = FieldView(self, self.row, "loss_mask")
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import torch
 
 from trainer.data.chat_templates import check_messages, is_conversational, render_chat
-from trainer.data.formatting import report_lengths
+from trainer.data.formatting import FieldView, report_lengths
 from trainer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -156,19 +156,6 @@ class Pair(NamedTuple):
     rejected: list[int]
 
 
-class _PairColumn(Sequence):
-    """One column of the kept pairs (`prompt_ids`, `chosen_ids`, `rejected_ids`), read row by row."""
-
-    def __init__(self, data: TokenizedPairs, column: int) -> None:
-        self.data, self.column = data, column
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> list[int]:
-        return self.data.pair(i)[self.column]
-
-
 class TokenizedPairs:
     """Token ids of every kept pair, as the DPO and reward-model stages train on them (`pair(i)`).
 
@@ -190,7 +177,7 @@ class TokenizedPairs:
         self.lengths = np.stack([pc.list_value_length(columns.column(c)).to_numpy()[self.rows]
                                  for c in PAIR_COLUMNS], 1).astype(np.int64)  # [N kept, 3] prompt, chosen, rejected
         self.margins: list[float] | None = None
-        self.prompt_ids, self.chosen_ids, self.rejected_ids = (_PairColumn(self, c) for c in range(3))
+        self.prompt_ids, self.chosen_ids, self.rejected_ids = (FieldView(self, self.pair, c) for c in range(3))
 
     def count(self, status: int) -> int:
         """Input rows with this `status`."""
