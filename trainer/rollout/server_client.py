@@ -7,9 +7,11 @@ one that `start_server` starts as a child of the job's first rank. Imports no vl
 - generate: one `/v1/completions` request per prompt, with token-id prompts and a seed per prompt
   (`base.sample_seed`), so a prompt's samples depend on (seed, prompt key) and the weights only, not
   on what else the server batches with it: N ranks sample what one process samples.
-- sync_weights: the tensors are streamed to `/weights/chunk` in safetensors chunks of about
-  `chunk_bytes` as the iterator yields them (so a caller that gathers a ZeRO-3 model module by module
-  never holds the whole model), then `/weights/commit` loads them all at once.
+- sync_weights: the tensors are streamed in safetensors chunks of about `chunk_bytes` as the iterator
+  yields them (so a caller that gathers a ZeRO-3 model module by module never holds the whole model),
+  then `/weights/commit` loads them all at once. A server on this node that sees this process's
+  /dev/shm (`/weights/probe` finds the file written there) gets each chunk as a file written there
+  (`/weights/file`: the bytes cross no socket); any other server gets it over HTTP (`/weights/chunk`).
 - Every failure to reach the server is a `RolloutServerError`: one line with the URL, what failed,
   and what to do. A server that dies mid-run ends the job with it (no reconnect); the job resumes
   from its last checkpoint (`resume_from_checkpoint auto`), and its first act is to push its weights.
@@ -29,6 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,7 +50,7 @@ from trainer.rollout.base import (
     samples_per_request,
     truncate_at_stop,
 )
-from trainer.rollout.server import SERVED_NAME
+from trainer.rollout.server import SERVED_NAME, SHARED_PREFIX, SHARED_ROOT
 from trainer.rollout.vllm_engine import sampling_fields
 
 # Runs before the server's own interpreter (via exec, same pid): on Linux, ask for SIGTERM when
@@ -184,6 +187,7 @@ class VLLMServerEngine(EngineContext):
         self.request_timeout_s, self.chunk_bytes = request_timeout_s, chunk_bytes
         self._closed = False
         self.last_push: dict = {}
+        self.shared_dir: Path | None = None  # this process's push folder in /dev/shm, when the server sees it
         start = time.perf_counter()
         try:
             self.info = self._wait_ready(timeout_s)
@@ -191,6 +195,7 @@ class VLLMServerEngine(EngineContext):
             self.close()
             raise
         self.start_seconds = time.perf_counter() - start
+        self.shared_dir = self._shared_memory()
         if self.info["max_model_len"] < max_model_len:
             self.close()
             raise RolloutServerError(
@@ -222,6 +227,27 @@ class VLLMServerEngine(EngineContext):
         raise RolloutServerError(f"no rollout server answered {self.url}/ready within {timeout_s:g} s "
                                  f"(vllm_server_timeout; last: {last}){where}")
 
+    def _shared_memory(self) -> Path | None:
+        """A push folder in /dev/shm when the server can read what this process writes there (same node, same
+        /dev/shm), else None (chunks go over HTTP): a file with a random token, which the server must read back."""
+        if urllib.parse.urlsplit(self.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+            return None
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=SHARED_PREFIX, dir=SHARED_ROOT))
+        except OSError:  # no /dev/shm here
+            return None
+        token = uuid.uuid4().hex
+        (folder / "probe").write_text(token)
+        try:
+            shared = self._post("/weights/probe", {"path": str(folder / "probe"), "token": token}).get("shared")
+        except RolloutServerError:  # a server without the route
+            shared = False
+        (folder / "probe").unlink()
+        if not shared:
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+        return folder
+
     @property
     def pid(self) -> int | None:
         """The server's pid when this engine started it."""
@@ -229,6 +255,8 @@ class VLLMServerEngine(EngineContext):
 
     def close(self) -> None:
         self._closed = True
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
         if self.server is not None:
             self.server.close()
 
@@ -259,9 +287,8 @@ class VLLMServerEngine(EngineContext):
     # -- weights -------------------------------------------------------------------------------
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Stream the whole state dict (HF names) in chunks, then commit; `last_push` records bytes and seconds."""
-        from safetensors.torch import save
-
+        """Stream the whole state dict (HF names) in chunks, then commit; `last_push` records bytes, seconds and
+        the channel (`shared_memory` or `http`)."""
         dtype = getattr(torch, self.info["dtype"])
         start, sent, chunks = time.perf_counter(), 0, 0
         chunk: dict[str, torch.Tensor] = {}
@@ -272,16 +299,30 @@ class VLLMServerEngine(EngineContext):
             chunk[name] = tensor.detach().to("cpu", dtype, copy=True).contiguous()
             size += chunk[name].numel() * chunk[name].element_size()
             if size >= self.chunk_bytes:
-                sent, chunks, chunk, size = sent + self._send_chunk(save(chunk)), chunks + 1, {}, 0
+                sent, chunks, chunk, size = sent + self._send_chunk(chunk, chunks), chunks + 1, {}, 0
         if chunk:
-            sent, chunks = sent + self._send_chunk(save(chunk)), chunks + 1
+            sent, chunks = sent + self._send_chunk(chunk, chunks), chunks + 1
         result = self._post("/weights/commit", {} if version is None else {"version": version})
         self.last_push = {"bytes": sent, "chunks": chunks, "seconds": time.perf_counter() - start,
-                          "server_load_seconds": result.get("seconds", 0.0)}
+                          "server_load_seconds": result.get("seconds", 0.0),
+                          "channel": "http" if self.shared_dir is None else "shared_memory"}
 
-    def _send_chunk(self, blob: bytes) -> int:
-        self._post("/weights/chunk", blob)
-        return len(blob)
+    def _send_chunk(self, chunk: dict[str, torch.Tensor], index: int) -> int:
+        """One chunk: a file in the shared push folder that the server moves in, or a safetensors blob over HTTP."""
+        from safetensors.torch import save, save_file
+
+        if self.shared_dir is None:
+            blob = save(chunk)
+            self._post("/weights/chunk", blob)
+            return len(blob)
+        path = self.shared_dir / f"{index:05d}.safetensors"
+        save_file(chunk, str(path))
+        size = path.stat().st_size
+        try:
+            self._post("/weights/file", {"path": str(path)})
+        finally:
+            path.unlink(missing_ok=True)  # moved by the server, or left behind by a failure
+        return size
 
     # -- HTTP ----------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,8 +27,10 @@ NAMES = ["model.embed_tokens.weight", "lm_head.weight"]
 class StandIn(ThreadingHTTPServer):
     """Answers /ready like the real server, one fixed completion per request, and records weight chunks."""
 
-    def __init__(self, max_model_len: int = 64):
+    def __init__(self, max_model_len: int = 64, sees_shared_memory: bool = False):
         self.info = {"model": "m", "max_model_len": max_model_len, "dtype": "float32", "weight_names": NAMES}
+        self.sees_shared_memory = sees_shared_memory  # as a server on another node (False) or this one (True)
+        self.files: list[str] = []
         self.chunks: list[dict[str, torch.Tensor]] = []
         self.commits = 0
         self.requests: list[dict] = []
@@ -64,6 +67,18 @@ class Handler(BaseHTTPRequestHandler):
             from safetensors.torch import load
 
             self.server.chunks.append(load(body))
+            return self._reply({"tensors": len(self.server.chunks[-1])})
+        if self.path == "/weights/probe":
+            probe = json.loads(body)
+            seen = self.server.sees_shared_memory and Path(probe["path"]).read_text() == probe["token"]
+            return self._reply({"shared": seen})
+        if self.path == "/weights/file":
+            from safetensors.torch import load_file
+
+            path = json.loads(body)["path"]
+            self.server.files.append(path)
+            self.server.chunks.append(load_file(path))
+            Path(path).unlink()  # the real server moves it into its staging folder
             return self._reply({"tensors": len(self.server.chunks[-1])})
         if self.path == "/weights/commit":
             self.server.commits += 1
@@ -124,8 +139,13 @@ def test_requests_carry_a_seed_per_prompt_that_does_not_depend_on_the_batch(stan
     assert standin.requests[-1]["seed"] == seeds[1] and seeds[0] != seeds[1]
 
 
-def test_sync_weights_streams_chunks_then_commits_once(standin):
+@pytest.mark.parametrize("same_node", [False, True], ids=["http", "shared-memory"])
+def test_sync_weights_streams_chunks_then_commits_once(standin, same_node):
+    """Over HTTP to a server that cannot see this process's /dev/shm; as files in /dev/shm to one that can (the
+    probe file's token read back), the push folder removed on close."""
+    standin.sees_shared_memory = same_node
     engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5, chunk_bytes=100)
+    assert (engine.shared_dir is not None) == same_node and not standin.requests  # the probe is no completion
     shared = torch.randn(4, 8)  # tied: two names, one storage (safetensors refuses shared tensors)
     tensors = [("model.embed_tokens.weight", shared), ("lm_head.weight", shared), ("b", torch.ones(3))]
     engine.sync_weights(iter(tensors))
@@ -135,6 +155,12 @@ def test_sync_weights_streams_chunks_then_commits_once(standin):
     for name, tensor in tensors:
         assert torch.equal(got[name], tensor)
     assert engine.last_push["bytes"] > 0 and engine.last_push["chunks"] == 3
+    assert engine.last_push["channel"] == ("shared_memory" if same_node else "http")
+    assert len(standin.files) == (3 if same_node else 0)
+    assert all(Path(f).parent == engine.shared_dir for f in standin.files)
+    folder = engine.shared_dir
+    engine.close()
+    assert folder is None or not folder.exists()
 
 
 def test_server_options_need_the_server_engine_and_one_address(tmp_path):
