@@ -12,8 +12,8 @@ each run its own process (`common.run_child`, so the peak RSS is that run's own)
 Columns: wall seconds of the whole process; seconds from the process's start to the end of its first optimizer
 step ("first step s": imports, loading, fingerprinting, tokenizing, packing, model loading and one step); peak
 RSS (`ru_maxrss` of the child, MB); the size of the tokenized-data cache and of datasets' own cache (MB);
-whether the second run logged "tokenized data from cache"; how many processes tokenized (datasets' "Tokenizing"
-progress bars started). `--baseline-repo DIR` also runs the first run with another checkout's `trainer` (e.g. the
+whether the second run logged "tokenized data from cache"; how many processes tokenized (`BuildWatcher`: the
+cache's temporary build folders seen during the run). `--baseline-repo DIR` also runs the first run with another checkout's `trainer` (e.g. the
 in-memory path before issue 27) on the same rows, marked `baseline`. `--ranks 2` adds a first run of
 `alignflow train sft --num_processes 2` on an empty cache (its peak RSS is the largest process's: `wait4`'s
 `ru_maxrss` covers the launcher's descendants; its first step is not stamped). `--trainers alignflow,trl` adds TRL
@@ -26,10 +26,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,7 +85,26 @@ SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokeni
 with open(os.environ["BENCH_RESULT"], "w") as fh:
     json.dump({"first_step_s": first[0] - float(os.environ["BENCH_T0"]), "trainer_file": sys.modules["trl"].__file__}, fh)
 """
-TOKENIZING = re.compile(r"Tokenizing [^\r\n:]*:\s+0%")  # a datasets.map progress bar starting
+
+
+class BuildWatcher(threading.Thread):
+    """The tokenized-data cache entries built during a run: each build writes into a temporary folder of its own
+    (`.<kind>-<key>.tmp-<id>`, trainer/data/token_cache.py) before renaming it, so distinct temporary folders
+    count the processes that tokenized (a process that maps an existing entry makes none). Polled every 0.1 s."""
+
+    def __init__(self, root: Path):
+        super().__init__(daemon=True)
+        self.root, self.seen, self._done = root, set(), threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.1):
+            if self.root.exists():
+                self.seen.update(p.name for p in self.root.glob(".*.tmp-*"))
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return len(self.seen)
 
 
 def synthetic_rows(path: Path, rows: int, seed: int = 0) -> None:
@@ -115,7 +134,10 @@ def train(trainer: str, repo: Path, model: Path, data: Path, out: Path, caches: 
         argv = [sys.executable, "-P", "-m", "trainer.cli", "train", "sft", *options, "--num_processes", "2"]
     else:  # -P: `trainer` from PYTHONPATH (repo), not the current folder
         argv = [sys.executable, "-P", "-c", CHILD, "train", "sft", *options]
+    watcher = BuildWatcher(caches / "alignflow" / "tokenized")
+    watcher.start()
     child = common.run_child(argv, env=env, timeout=args.timeout)
+    builds = watcher.stop()
     ok = child.ok or (trainer == "alignflow-2ranks" and child.returncode == 0)
     if not ok:
         print(f"  FAILED (exit {child.returncode}):\n{child.output[-3000:]}", file=sys.stderr)
@@ -124,7 +146,7 @@ def train(trainer: str, repo: Path, model: Path, data: Path, out: Path, caches: 
             "tokenized_cache_mb": folder_mb(caches / "alignflow" / "tokenized"),
             "datasets_cache_mb": folder_mb(caches / "datasets"),
             "from_cache": "tokenized data from cache" in child.output,
-            "tokenizing_processes": len(TOKENIZING.findall(child.output)) if trainer != "trl" else None}
+            "tokenizing_processes": builds if trainer != "trl" else None}
 
 
 def main() -> None:

@@ -112,17 +112,24 @@ def map_processes(num_rows: int, asked: int | None = None) -> int:
     return 1 if num_rows < PARALLEL_FROM_ROWS else max(1, len(os.sched_getaffinity(0)))
 
 
-def _join_shards(built: datasets.Dataset, folder: Path) -> datasets.Dataset:
-    """The workers' shards of `built` (memory-mapped, in order) streamed into `folder/DATA_FILE` in the Arrow
-    stream format datasets writes, the shards removed; the joined file, memory-mapped."""
+def _join_shards(folder: Path) -> datasets.Dataset:
+    """The workers' shard files in `folder` (in order) copied batch by batch into `folder/DATA_FILE`, in the Arrow
+    stream format datasets writes, and removed; the joined file, memory-mapped. The shards are read, not mapped, so
+    the copy does not leave their pages resident in this process."""
     import pyarrow as pa
 
-    table = built.data.table
-    with pa.OSFile(str(folder / DATA_FILE), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        for batch in table.to_batches():
-            writer.write_batch(batch)
-    del built, table
-    for shard in folder.glob("shards_*_of_*.arrow"):
+    shards = sorted(folder.glob("shards_*_of_*.arrow"))
+    writer = None
+    with pa.OSFile(str(folder / DATA_FILE), "wb") as sink:
+        for shard in shards:
+            with pa.OSFile(str(shard), "rb") as source:
+                reader = pa.ipc.open_stream(source)
+                writer = writer or pa.ipc.new_stream(sink, reader.schema)
+                for batch in reader:
+                    writer.write_batch(batch)
+        if writer is not None:
+            writer.close()
+    for shard in shards:
         shard.unlink()
     return datasets.Dataset.from_file(str(folder / DATA_FILE))
 
@@ -147,7 +154,8 @@ def cached_map(rows: datasets.Dataset, kind: str, key_parts: dict[str, Any], fun
                          features=features, cache_file_name=str(tmp / (SHARD_FILE if workers > 1 else DATA_FILE)),
                          load_from_cache_file=False, new_fingerprint=key, desc=desc, num_proc=workers if workers > 1 else None)
         if workers > 1:  # one shard file per worker: written out as the one file an entry holds, then removed
-            built = _join_shards(built, tmp)
+            del built
+            built = _join_shards(tmp)
         meta = {"rows": len(built), "columns": built.column_names, "sha256": _file_sha256(tmp / DATA_FILE),
                 "key": {"kind": kind, "version": VERSION, **key_parts}}
         del built  # release the memory map before the folder moves
