@@ -771,10 +771,12 @@ def test_rollout_gpus_run_the_server_as_a_native_sidecar_of_each_pytorchjob_pod(
                 args.gpu_memory_utilization) == ("127.0.0.1", trainjob.ROLLOUT_PORT, 256, "bfloat16", 2, 0.2)
 
 
-def test_the_sidecar_copies_the_model_then_becomes_the_server(tmp_path, monkeypatch):
-    job, _ = two_node_grpo(job_kind="PyTorchJob", rollout_gpus=1)
-    (sidecar,) = trainjob.pod_templates(job)[0]["spec"]["initContainers"]
-    monkeypatch.setenv(trainjob.CONFIG_ENV, next(e["value"] for e in sidecar["env"] if e["name"] == trainjob.CONFIG_ENV))
+def run_sidecar(sidecar: dict, names: tuple[str, ...], tmp_path, monkeypatch) -> list[str]:
+    """Run the sidecar's command with its env `names` set, the model copy and the exec captured: the server's argv
+    (after the interpreter), once the model was fetched to `tmp_path`."""
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    for name in names:
+        monkeypatch.setenv(name, env[name])
     fetched, execs = [], []
     monkeypatch.setattr(trainjob.storage, "fetch_to_local", lambda uri: fetched.append(uri) or str(tmp_path))
     monkeypatch.setattr(trainjob.os, "execv", lambda path, argv: execs.append(argv))
@@ -782,6 +784,13 @@ def test_the_sidecar_copies_the_model_then_becomes_the_server(tmp_path, monkeypa
     assert fetched == [INPUTS["model"]]
     ((python, *argv),) = execs
     assert python == sys.executable
+    return argv
+
+
+def test_the_sidecar_copies_the_model_then_becomes_the_server(tmp_path, monkeypatch):
+    job, _ = two_node_grpo(job_kind="PyTorchJob", rollout_gpus=1)
+    (sidecar,) = trainjob.pod_templates(job)[0]["spec"]["initContainers"]
+    argv = run_sidecar(sidecar, (trainjob.CONFIG_ENV,), tmp_path, monkeypatch)
     assert argv == ["-m", "trainer.cli", "rollout-server", "--model", str(tmp_path), *sidecar["command"][4:]]
 
 
@@ -843,17 +852,9 @@ def test_the_trainjob_sidecar_reads_its_options_from_the_env_then_becomes_the_se
     """The runtime's sidecar runs `serve-rollout` with no arguments: the options come from ALIGNFLOW_ROLLOUT_ARGS."""
     job, _ = two_node_grpo(**TRAINJOB_SIDECAR)
     (sidecar,) = trainjob.pod_templates(job, rollout_runtimes["alignflow-rollout-2gpu"])[0]["spec"]["initContainers"]
-    env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    for name in (trainjob.CONFIG_ENV, trainjob.ROLLOUT_ARGS_ENV):
-        monkeypatch.setenv(name, env[name])
-    fetched, execs = [], []
-    monkeypatch.setattr(trainjob.storage, "fetch_to_local", lambda uri: fetched.append(uri) or str(tmp_path))
-    monkeypatch.setattr(trainjob.os, "execv", lambda path, argv: execs.append(argv))
-    trainjob.main(sidecar["command"][3:])
-    assert fetched == [INPUTS["model"]]
-    ((python, *argv),) = execs
-    assert argv == ["-m", "trainer.cli", "rollout-server", "--model", str(tmp_path),
-                    *shlex.split(env[trainjob.ROLLOUT_ARGS_ENV])]
+    argv = run_sidecar(sidecar, (trainjob.CONFIG_ENV, trainjob.ROLLOUT_ARGS_ENV), tmp_path, monkeypatch)
+    options = next(e["value"] for e in sidecar["env"] if e["name"] == trainjob.ROLLOUT_ARGS_ENV)
+    assert argv == ["-m", "trainer.cli", "rollout-server", "--model", str(tmp_path), *shlex.split(options)]
     monkeypatch.delenv(trainjob.ROLLOUT_ARGS_ENV)
     with pytest.raises(SystemExit, match="no server options: give them as arguments or in ALIGNFLOW_ROLLOUT_ARGS"):
         trainjob.main(["serve-rollout"])
