@@ -3,8 +3,10 @@ LoRA through peft; gradient checkpointing; a pad token when the tokenizer has no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,17 @@ def load_reward_model(path: str, pad_token_id: int, dtype: str = "float32", trus
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+@contextlib.contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """`model` in eval mode (no dropout) inside the block; given back in the mode it came in, also on an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def disable_dropout(model) -> None:

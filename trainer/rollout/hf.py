@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
+from trainer.engine.models import eval_mode
 from trainer.rollout.base import (
     Completion,
     EngineContext,
@@ -66,7 +67,7 @@ class HFEngine(EngineContext):
                  if sampling.seed is not None and not sampling.greedy else None)
         size = self.batch_size or len(rows)
         flat: list[Completion] = []
-        with _eval_mode(self.model), self._rng.use(sampling.seed), _clean_generation_defaults(self.model):
+        with eval_mode(self.model), self._rng.use(sampling.seed), _clean_generation_defaults(self.model):
             for start in range(0, len(rows), size):
                 flat += self._generate_rows(rows[start:start + size], sampling,
                                             seeds[start:start + size] if seeds else None)
@@ -163,17 +164,6 @@ class RowSampler:
 
 def _device_of(model) -> torch.device:
     return next(model.parameters()).device
-
-
-@contextlib.contextmanager
-def _eval_mode(model) -> Iterator[None]:
-    """Generate without dropout; give the model back in the mode it came in."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from trainer.engine.models import (
     apply_lora,
     count_parameters,
     disable_dropout,
+    eval_mode,
     load_causal_lm,
     model_and_tokenizer,
     resolve_model_path,
@@ -221,13 +222,10 @@ class Reference:
 
     def compute(self, batch: DPOBatch) -> torch.Tensor:
         """Reference log-probs of a batch's 2B sequences, [2B], without autograd."""
-        was_training = self.model.training
-        self.model.eval()
         adapters_off = self.adapters.disable_adapter() if self.adapters is not None else contextlib.nullcontext()
         # inference_mode is faster, but ZeRO-3 would gather parameters into inference tensors.
-        with (torch.no_grad() if self.sharded else torch.inference_mode()), adapters_off:
+        with eval_mode(self.model), (torch.no_grad() if self.sharded else torch.inference_mode()), adapters_off:
             logps = sequence_logps(self.model, batch, with_logits=False).logps
-        self.model.train(was_training)
         return logps.clone()  # a normal tensor: inference tensors cannot join the policy's graph
 
     def logps(self, batch: DPOBatch, split: str) -> torch.Tensor:
@@ -264,12 +262,9 @@ def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int, dev
     remote-code models do not, and would let packed sequences attend to each other). Checked on
     the shortest few pairs, which pack several sequences per row and cost little to score twice."""
     indices = sorted(range(len(data)), key=data.pair_length)[:4]
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+    with eval_mode(model), torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
         padded = sequence_logps(model, to_device(collate(data, indices, pad_id), device), with_logits=False)
         packed = sequence_logps(model, to_device(collate(data, indices, pad_id, pack_to), device), with_logits=False)
-    model.train(was_training)
     per_token = float(((padded.logps - packed.logps).abs() / padded.lengths.clamp(min=1)).max())
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
     if per_token > tolerance:

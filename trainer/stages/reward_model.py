@@ -50,6 +50,7 @@ from trainer.engine.models import (
     apply_lora,
     count_parameters,
     disable_dropout,
+    eval_mode,
     load_reward_model,
     model_and_tokenizer,
 )
@@ -195,12 +196,9 @@ def check_packed_rewards(model, data: TokenizedPairs, pad_id: int, pack_to: int,
     decoders do; some remote-code models do not). Checked on the shortest few pairs, which pack
     several texts per row and cost little to score twice."""
     indices = sorted(range(len(data)), key=data.pair_length)[:4]
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+    with eval_mode(model), torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
         padded = torch.cat(pair_rewards(model, to_device(collate(data, indices, pad_id), device)))
         packed = torch.cat(pair_rewards(model, to_device(collate(data, indices, pad_id, pack_to), device)))
-    model.train(was_training)
     error = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
     if error > tolerance:
