@@ -238,6 +238,16 @@ def serve_in_thread(server) -> None:
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
 
 
+def alive(process) -> bool:
+    """Whether a `psutil.Process` still runs (not gone, not a zombie waiting to be reaped)."""
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from Linux's /proc), also those in sessions of their own: torchrun starts each
     rank with `start_new_session`, so killing the launcher's process group leaves the ranks running."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import model_greedy, perturb
+from tests.helpers import alive, model_greedy, perturb
 from trainer.rollout import SamplingConfig, make_engine
 
 # find_spec, not import: the test process itself never needs vllm, only the server does.
@@ -55,13 +55,6 @@ def server_processes(engine) -> list[psutil.Process]:
     """The server and everything it started (API server, engine core, helpers)."""
     leader = psutil.Process(engine.pid)
     return [leader, *leader.children(recursive=True)]
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def process_group(pgid: int) -> list[psutil.Process]:

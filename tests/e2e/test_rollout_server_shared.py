@@ -29,6 +29,7 @@ import torch
 
 from tests.helpers import (
     ROOT,
+    alive,
     descendants,
     max_difference,
     model_greedy,
@@ -180,14 +181,15 @@ def test_ppo_two_ranks_against_one_server_train_what_one_process_trains(server, 
     assert max_difference(weights(tiny_model), weights(tmp_path / "one")) > 1e-4  # it did train
 
 
-def run_watching_servers(command: list[str], stop_at_step: int | None = None) -> tuple[int, str, set[int], list[str]]:
+def run_watching_servers(command: list[str], stop_at_step: int | None = None
+                         ) -> tuple[int, str, dict[int, psutil.Process], list[str]]:
     """Run a job to its end, watching its process tree every 0.5 s: its exit code, output, the pids of every rollout
     server seen in it, and the trees seen while one ran. With `stop_at_step`, SIGTERM the job (the launcher, as the
     kubelet would) once it logs that step."""
     env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
     job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    servers: set[int] = set()
+    servers: dict[int, psutil.Process] = {}
     trees: list[str] = []
     stop = threading.Event()
 
@@ -196,12 +198,13 @@ def run_watching_servers(command: list[str], stop_at_step: int | None = None) ->
             tree = []
             for pid in descendants(job.pid):
                 try:
-                    line = " ".join(psutil.Process(pid).cmdline())
+                    process = psutil.Process(pid)
+                    line = " ".join(process.cmdline())
                 except psutil.Error:
                     continue
                 tree.append(f"{pid} {line[:140]}")
                 if "trainer.rollout.server" in line:
-                    servers.add(pid)
+                    servers.setdefault(pid, process)
             if any("trainer.rollout.server" in line for line in tree):
                 trees.append("\n".join(tree))
             stop.wait(0.5)
@@ -245,23 +248,16 @@ def test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_an
     assert "serves the 2 ranks on" in output and "1 server(s) in the job" in output
     saved = [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)]
     assert len(saved) == 1 and saved[0] < 3, (saved, output[-4000:])
-    assert not [p for p in servers if alive(p)], "the rollout server outlived a job stopped by SIGTERM"
+    assert not [p for p in servers.values() if alive(p)], "the rollout server outlived a job stopped by SIGTERM"
 
     code, output, resumed_servers, _ = run_watching_servers([*command, "--resume_from_checkpoint", "auto"])
     assert code == 0, output[-4000:]
-    assert len(resumed_servers) == 1 and not resumed_servers & servers
-    assert not [p for p in resumed_servers if alive(p)], "the rollout server outlived its job"
+    assert len(resumed_servers) == 1 and not resumed_servers.keys() & servers.keys()
+    assert not [p for p in resumed_servers.values() if alive(p)], "the rollout server outlived its job"
     assert json.loads((out / ckpt.MANIFEST).read_text())["resumed_from"] == str(out / f"checkpoint-{saved[0]}")
     difference = max_difference(weights(one_process / "out"), weights(out))
     print(f"stopped after step {saved[0]} and resumed: max |weight difference| to 1 process {difference:.2e}")
     assert difference < 1e-4
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_a_server_that_dies_mid_run_is_one_line_and_the_checkpoints_stay(tiny_model, one_process, tmp_path):
