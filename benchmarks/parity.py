@@ -1,23 +1,31 @@
-"""Numerical parity with TRL 1.16: each objective's loss, gradient and metrics on one identical batch.
+"""Numerical parity with TRL 1.16 (PPO: 1.12): each objective's loss, gradient and metrics on one identical batch.
 
 For every case, one tiny random Llama (`alignflow model init-tiny`, or `--model`) in float32 is copied
 twice. One copy goes through alignflow's own batch and loss code (the functions its stages call:
 `tokenize_sft` + `sft.collate` + `sft.token_loss`; `dpo.load_split` + `dpo.collate` + `dpo.pair_loss`
 with a frozen `dpo.Reference`; `tokenize_reward_pairs` + `reward_model.collate` + `bradley_terry_loss`;
-`token_logps` + `policy_loss`),
-the other through TRL's trainer (its own dataset preparation and collator, then
-`trainer.compute_loss(model, inputs)`). Each side runs ONE forward and backward; nothing is trained.
+`token_logps` + `policy_loss`; for scored GRPO/RLOO also `combine_rewards` + `ADVANTAGE_ESTIMATORS` +
+`batched_logps`; PPO's `policy_forward` + `kl_penalty_rewards` + `gae_advantages` + `masked_whiten` +
+`ppo_policy_loss` + `value_loss`), the other through TRL's trainer (its own dataset preparation and collator, then
+`trainer.compute_loss(model, inputs)`; GRPO/RLOO: its `_generate_and_score_completions`; PPO: its `train()`).
+Each side runs ONE forward and backward; nothing is trained.
 
 Compared, per case:
 - token ids: both sides must see the same sequences and the same loss targets (checked; a mismatch
   is reported as the difference, not hidden);
-- per-token log-probabilities of the loss targets (max abs diff; the reward model: its scores);
+- per-token log-probabilities of the loss targets (max abs diff; the reward model: its scores; scored GRPO, RLOO
+  and PPO: the worst of the policy's, the old (rollout) policy's and the reference's);
 - the loss and the total L2 gradient norm over all parameters (relative diff);
-- every metric both trainers log for that step under the same name (relative diff).
+- scored GRPO and RLOO: the advantages each side computed from the same rewards (max abs diff); PPO: the scores,
+  values, GAE advantages (whitened) and returns (max abs diff, in the JSON);
+- every metric both trainers log for that step under the same name (relative diff; PPO: alignflow's `ppo/...`
+  names mapped to TRL's, `PPO_METRIC_NAMES`).
 
-A row matches when both sides saw the same ids and targets and every relative diff (and the log-prob
-diff) is within `--tolerance` (default 1e-5); otherwise its status says what differs, and a note names
-the tokens when the loss targets do.
+A row matches when both sides saw the same ids and targets and every relative diff (and the log-prob and
+advantage diffs) is within `--tolerance` (default 1e-5); otherwise its status says what differs, and a note names
+the tokens when the loss targets do. "definition differs": the objectives differ by design and the row shows that
+this is the whole difference, by recomputing one side's objective with the other's definition (PPO: TRL's tensors
+with alignflow's definition; RLOO: alignflow's tensors in TRL's objective) within the tolerance.
 
 Cases: SFT completion-only (padded and packed) and assistant-only, the latter with TRL's
 `{% generation %}` markers placed two ways (see MARKED_TEMPLATES); DPO sigmoid, ipo, hinge, robust (label smoothing
@@ -25,9 +33,16 @@ Cases: SFT completion-only (padded and packed) and assistant-only, the latter wi
 precomputed reference (the DPO policy is the model plus seeded noise, so that log-ratios are not all
 zero); the reward model's Bradley-Terry loss with and without `center_rewards_coefficient` and with a
 `margin` column; GRPO's policy loss (dapo) on fixed completions with given old and reference log-probs,
-without and with a KL term (`use_bias_correction_kl` off, and at TRL's default, on, on both sides).
-Data: the first `--rows` rows of trainer/demo_data (sft.jsonl, chat.jsonl, preferences.jsonl). TRL is
-imported only when the script runs; without it the script exits naming `pip install trl==1.16.0`.
+without and with a KL term (`use_bias_correction_kl` off, and at TRL's default, on, on both sides); GRPO scored by
+each side (`grpo_scored_case`: fixed completions and rewards, TRL's generation step replaced): loss types grpo,
+bnpo, dr_grpo and dapo at the second iteration (num_iterations 2, TRL computes the old log-probs), temperature 0.7
+with beta 0.04, `scale_rewards` batch and none, and temperature 0.7 + beta + num_iterations 2; RLOO against TRL
+1.16's RLOOTrainer (`rloo_case`); PPO against TRL 1.12's PPOTrainer at temperature 1 and 0.7 (`ppo_case`: one
+`train()` step on fixed rollouts). Data: the first `--rows` rows of trainer/demo_data (sft.jsonl, chat.jsonl,
+preferences.jsonl). TRL is imported only when the script runs; without it the script exits naming
+`pip install trl==1.16.0`. TRL 1.13 removed PPOTrainer: `--trl-ppo-path DIR` (with
+`pip install --no-deps --target DIR trl==1.12.0`) runs the ppo cases in a child process with that TRL and merges
+them into the same table and JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +67,9 @@ CASES = ("sft-completion", "sft-assistant", "sft-assistant-span", "sft-completio
          "sft-completion-padding-free", "dpo-sigmoid", "dpo-ipo", "dpo-hinge", "dpo-robust", "dpo-apo_zero", "dpo-sigmoid-padding-free",
          "dpo-sigmoid-chat", "dpo-sigmoid-precomputed",
          "reward", "reward-center", "reward-margin", "reward-padding-free", "grpo", "grpo-shared-prompts", "grpo-kl",
-         "grpo-kl-trl-default")
+         "grpo-kl-trl-default", "grpo-loss-grpo", "grpo-loss-bnpo", "grpo-loss-dr_grpo", "grpo-loss-dapo",
+         "grpo-temperature-kl", "grpo-scale-batch", "grpo-scale-none", "grpo-iterations-kl", "rloo", "ppo", "ppo-temperature")
+TRL_PPO_PIN = "pip install --no-deps --target DIR trl==1.12.0"
 TRL_PIN = "pip install trl==1.16.0"
 
 # TRL's assistant-only loss needs `{% generation %}` markers, which init-tiny's ChatML template lacks. Both render the
@@ -154,9 +172,10 @@ def row(stage: str, case: str, same: tuple[bool, int], logprob_diff: float | Non
 
 def trl_args(config_class, work: Path, **settings):
     """A TRL config for one float32 CPU step that logs nowhere and saves nothing."""
+    settings = {"per_device_train_batch_size": 8, **settings}
     return config_class(output_dir=str(work / "trl"), report_to="none", use_cpu=True, bf16=False, fp16=False,
-                        per_device_train_batch_size=8, gradient_checkpointing=False, save_strategy="no",
-                        disable_tqdm=True, dataloader_num_workers=0, seed=0, **settings)
+                        gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+                        dataloader_num_workers=0, seed=0, **settings)
 
 
 def perturbed(model, scale: float = 0.02, seed: int = 1):
@@ -407,6 +426,72 @@ def reward_case(model_dir: Path, tokenizer, work: Path, *, center: float | None,
 # GRPO: the policy loss on given completions (no generation)
 
 
+def group_completions(tokenizer, pairs: list[dict], max_length: int, group: int) -> tuple[list, list]:
+    """Each preference pair as a group of `group` completions of its prompt, each + eos: chosen and rejected, then
+    (group 4) their first halves. Returns the prompt token ids and the completion token ids, one per completion."""
+    eos = tokenizer.eos_token_id
+    prompts, completions = [], []
+    for pair in pairs:
+        prompt = tokenizer(pair["prompt"])["input_ids"]
+        answers = [tokenizer(pair[k], add_special_tokens=False)["input_ids"][:max_length] for k in ("chosen", "rejected")]
+        answers += [a[:max(1, len(a) // 2)] for a in answers][:group - 2]
+        prompts += [prompt] * group
+        completions += [a + [eos] for a in answers]
+    return prompts, completions
+
+
+@dataclass
+class Layout:
+    """Rollouts as both sides batch them: prompts left-padded [N, P], completions right-padded [N, C]; `batch` is
+    alignflow's `RolloutBatch` of the same rows [N, P+C]."""
+
+    prompt_ids: Any
+    prompt_mask: Any
+    completion_ids: Any
+    completion_mask: Any
+    batch: Any
+
+    @classmethod
+    def build(cls, prompts: list[list[int]], completions: list[list[int]], pad: int) -> Layout:
+        import torch
+
+        from trainer.engine.completions import RolloutBatch
+
+        width_p, width_c, n = max(map(len, prompts)), max(map(len, completions)), len(completions)
+        prompt_ids, completion_ids = torch.full((n, width_p), pad), torch.full((n, width_c), pad)
+        prompt_mask = torch.zeros((n, width_p), dtype=torch.long)
+        completion_mask = torch.zeros((n, width_c), dtype=torch.long)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            prompt_ids[i, width_p - len(p):], prompt_mask[i, width_p - len(p):] = torch.tensor(p), 1
+            completion_ids[i, :len(c)], completion_mask[i, :len(c)] = torch.tensor(c), 1
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        batch = RolloutBatch(input_ids, torch.cat([prompt_mask, completion_mask], 1),
+                             torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1),
+                             torch.zeros(input_ids.shape), completion_mask.sum(1), torch.zeros(n, dtype=torch.bool),
+                             width_p)
+        return cls(prompt_ids, prompt_mask, completion_ids, completion_mask, batch)
+
+    @property
+    def width_p(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    @property
+    def width_c(self) -> int:
+        return self.completion_ids.shape[1]
+
+    @property
+    def input_ids(self):
+        return self.batch.input_ids
+
+    @property
+    def attention(self):
+        return self.batch.attention_mask
+
+    @property
+    def full_mask(self):
+        return self.batch.completion_mask
+
+
 def grpo_case(model, tokenizer, work: Path, *, beta: float, bias_correction: bool | None, max_length: int,
               count: int, shared: bool = False) -> dict[str, Any]:
     """One GRPO update (TRL's default loss_type dapo, epsilon 0.2) on fixed completions: each preference pair is a
@@ -420,29 +505,16 @@ def grpo_case(model, tokenizer, work: Path, *, beta: float, bias_correction: boo
     from trl import GRPOConfig, GRPOTrainer
 
     from trainer.algorithms.policy import policy_loss
-    from trainer.engine.completions import RolloutBatch, token_logps
+    from trainer.engine.completions import token_logps
 
     pairs = read_rows("preferences.jsonl", count)
-    eos = tokenizer.eos_token_id
-    prompts = [tokenizer(p["prompt"])["input_ids"] for p in pairs]
-    completions = [tokenizer(p[k], add_special_tokens=False)["input_ids"][:max_length] + [eos]
-                   for p in pairs for k in ("chosen", "rejected")]
-    rows = [prompts[i // 2] for i in range(len(completions))]
-    width_p, width_c = max(map(len, rows)), max(map(len, completions))
-    n = len(completions)
-    prompt_ids = torch.full((n, width_p), tokenizer.pad_token_id)
-    prompt_mask = torch.zeros((n, width_p), dtype=torch.long)
-    completion_ids = torch.full((n, width_c), tokenizer.pad_token_id)
-    completion_mask = torch.zeros((n, width_c), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(rows, completions)):  # prompts left-padded, completions right-padded
-        prompt_ids[i, width_p - len(p):], prompt_mask[i, width_p - len(p):] = torch.tensor(p), 1
-        completion_ids[i, :len(c)], completion_mask[i, :len(c)] = torch.tensor(c), 1
+    rows, completions = group_completions(tokenizer, pairs, max_length, group=2)
+    layout = Layout.build(rows, completions, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = (
+        layout.prompt_ids, layout.prompt_mask, layout.completion_ids, layout.completion_mask)
+    width_p, width_c, n = layout.width_p, layout.width_c, len(completions)
     advantages = torch.tensor([1.0, -1.0] * (n // 2)) * torch.linspace(0.5, 1.5, n)  # [N]
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    attention = torch.cat([prompt_mask, completion_mask], 1)
-    full_mask = torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1)
-    batch = RolloutBatch(input_ids, attention, full_mask, torch.zeros(input_ids.shape), completion_mask.sum(1),
-                         torch.zeros(n, dtype=torch.bool), width_p)
+    input_ids, attention, full_mask, batch = layout.input_ids, layout.attention, layout.full_mask, layout.batch
 
     with torch.no_grad():
         old, _ = token_logps(model.eval(), batch, slice(None))  # [N, P+C]; also the reference
@@ -490,6 +562,484 @@ def grpo_case(model, tokenizer, work: Path, *, beta: float, bias_correction: boo
                (input_ids.shape, input_ids.shape))
 
 
+# Fixed rewards of the scored GRPO cases: 4 groups of G = 4; the third group is constant (std 0, advantages 0).
+GROUP_REWARDS = (1.0, 0.0, 0.25, 2.0, -0.5, 1.5, 0.75, 0.0, 0.5, 0.5, 0.5, 0.5, 3.0, -1.0, 0.0, 1.25)
+
+
+def grpo_scored_case(model, tokenizer, work: Path, *, loss_type: str, temperature: float = 1.0, beta: float = 0.0,
+                     scale_rewards: str = "group", num_iterations: int = 1, max_length: int,
+                     count: int) -> dict[str, Any]:
+    """One GRPO update where each side computes its own advantages, old and reference log-probs.
+
+    The rollouts are fixed: each preference pair is a group of G = 4 completions of its prompt (chosen, rejected and
+    their first halves, each + eos), with fixed rewards (`GROUP_REWARDS`, one group constant). The generating policy
+    is the model plus noise (the reference is the model, so KL terms are not 0). alignflow: what its GRPO stage's
+    `rollout` and `update` call, in order: `combine_rewards` -> `ADVANTAGE_ESTIMATORS["grpo"]` (`scale_rewards`) ->
+    `batched_logps` at `logit_temperature(temperature)` for the old policy (num_iterations > 1) and the reference
+    (beta > 0) -> `token_logps` + `policy_loss`. TRL: `GRPOTrainer._generate_and_score_completions` with only its
+    generation step (`_generate`) replaced by one that returns these completions, and a reward function that returns
+    these rewards: TRL pads, scores, normalises and computes its old and reference log-probs itself; then
+    `compute_loss` on its output. With `num_iterations` 2 the update runs at the second iteration: the policy has
+    moved since the rollout (the generating policy plus more noise on both sides), so the ratios are not 1."""
+    import datasets
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS, combine_rewards
+    from trainer.algorithms.logprobs import logit_temperature
+    from trainer.algorithms.policy import policy_loss
+    from trainer.engine.completions import batched_logps, token_logps
+    from trainer.stages.rl.grpo import GRPOConfig as OurGRPOConfig
+
+    G = 4
+    pairs = read_rows("preferences.jsonl", count)
+    prompts, completions = group_completions(tokenizer, pairs, max_length, group=G)
+    layout = Layout.build(prompts, completions, tokenizer.pad_token_id)
+    n, width_c, P = len(completions), layout.width_c, layout.width_p
+    rewards = torch.tensor([GROUP_REWARDS[i % len(GROUP_REWARDS)] for i in range(n)])  # [N]
+    generating = perturbed(model)  # the policy that sampled the completions
+    updated = perturbed(generating, scale=0.01, seed=2) if num_iterations > 1 else generating
+    # TRL's default (use_bias_correction_kl true) is also alignflow's; both sides run with it.
+    corrected = OurGRPOConfig.use_bias_correction_kl
+
+    # alignflow: as `grpo.rollout` and `grpo.update` for one micro-batch holding the whole cycle.
+    T = logit_temperature(temperature)
+    combined = combine_rewards(rewards[:, None], torch.ones(1))  # [N]
+    our_adv, reward_stats = ADVANTAGE_ESTIMATORS["grpo"](combined, G, scale_rewards)
+    old = batched_logps(copy.deepcopy(generating).eval(), layout.batch, n, 0, T) if num_iterations > 1 else None
+    ref = batched_logps(copy.deepcopy(model).eval(), layout.batch, n, 0, T) if beta else None
+    ours = copy.deepcopy(updated).train()
+    logps, ent = token_logps(ours, layout.batch, slice(None), with_entropy=True, temperature=T)
+    loss_ours, stats = policy_loss(logps, old, our_adv, layout.full_mask, loss_type=loss_type, epsilon=0.2,
+                                   ref_logps=ref, beta=beta, max_completion_length=width_c,
+                                   num_items_in_batch=float(layout.completion_mask.sum()),
+                                   use_bias_correction_kl=corrected)
+    loss_ours.backward()
+    our_metrics = {"entropy": ent, **{k: float(v) for k, v in {**stats, **reward_stats}.items() if v.ndim == 0},
+                   "rewards/fixed_reward/mean": float(torch.nanmean(rewards)),
+                   "rewards/fixed_reward/std": float(rewards.std())}
+
+    # TRL: its scoring path on these completions and rewards.
+    def fixed_reward(completions, **_):
+        assert len(completions) == n
+        return rewards.tolist()
+
+    theirs = copy.deepcopy(generating)
+    args = trl_args(GRPOConfig, work, loss_type=loss_type, beta=beta, epsilon=0.2, num_generations=G,
+                    max_completion_length=width_c, temperature=temperature, scale_rewards=scale_rewards,
+                    num_iterations=num_iterations, use_bias_correction_kl=corrected)
+    texts = [p["prompt"] for p in pairs]
+    trainer = GRPOTrainer(model=theirs, reward_funcs=fixed_reward, args=args,
+                          train_dataset=datasets.Dataset.from_list([{"prompt": t} for t in texts]),
+                          processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1  # set by `training_step` during training
+
+    def generate(prompt_texts):  # TRL's `_generate` without the sampling: these prompts' fixed completions
+        assert prompt_texts == [t for t in texts for _ in range(G)]
+        decoded = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        return prompts, completions, None, decoded, None, {}, None, []
+
+    trainer._generate = generate
+    theirs.train()
+    inputs = trainer._generate_and_score_completions([{"prompt": t} for t in texts for _ in range(G)])
+    if num_iterations > 1:  # the second iteration: the policy has moved since the rollout
+        theirs.load_state_dict(updated.state_dict())
+    loss_trl = trainer.compute_loss(trainer.model, inputs)
+    loss_trl.backward()
+    with torch.no_grad():
+        trl_logps = trainer._get_per_token_logps_and_entropies(theirs, layout.input_ids, layout.attention, width_c)[0]
+
+    same_ids = bool(torch.equal(inputs["prompt_ids"], layout.prompt_ids)
+                    and torch.equal(inputs["completion_ids"], layout.completion_ids))
+    differing = int((inputs["completion_mask"].bool() != layout.completion_mask.bool()).sum())
+    mask = layout.completion_mask.bool()
+    logprob_diff = float((logps[:, P:][mask] - trl_logps[mask]).abs().max())
+    for name, our_side, trl_side in (("old", old, inputs.get("old_per_token_logps")),
+                                     ("ref", ref, inputs.get("ref_per_token_logps"))):
+        if (our_side is None) != (trl_side is None):
+            raise RuntimeError(f"only one side computed {name} log-probs")
+        if our_side is not None:  # the log-prob column holds the worst of the three
+            logprob_diff = max(logprob_diff, float((our_side[:, P:][mask] - trl_side[mask]).abs().max()))
+    case = (f"{loss_type}, T {temperature:g}, beta {beta:g}, scale_rewards {scale_rewards}, "
+            f"num_iterations {num_iterations}, scored by each side")
+    result = row("grpo", case, (same_ids, differing), logprob_diff,
+                 (float(loss_ours.detach()), float(loss_trl.detach())), (grad_norm(ours), grad_norm(theirs)),
+                 shared_metrics(our_metrics, trainer._metrics["train"]), (layout.input_ids.shape,) * 2)
+    result["advantages_max_abs_diff"] = float((our_adv - inputs["advantages"]).abs().max())
+    result["advantages"] = {"alignflow": our_adv.tolist(), "trl": inputs["advantages"].tolist()}
+    return result
+
+
+def rloo_case(model, tokenizer, work: Path, *, max_length: int, count: int) -> dict[str, Any]:
+    """alignflow's RLOO (its GRPO stage with `advantage_estimator: rloo`, loss_type dapo) against TRL 1.16's
+    RLOOTrainer on the rollouts and rewards of `grpo_scored_case`, at the second iteration (num_iterations 2), beta 0.
+
+    The advantages (leave-one-out baseline, not normalised: both defaults) are computed by each side from the same
+    rewards and must agree. The objectives differ by design (docs/ppo.md): TRL's RLOOTrainer clips a sequence-level
+    ratio exp(Σ_t log π − Σ_t log π_old) and averages over sequences; alignflow's RLOO is the GRPO loss with
+    leave-one-out advantages (token-level ratios, `loss_type`). So the row also recomputes TRL's objective from
+    alignflow's log-probs and advantages (`alignflow_with_trl_definition`)."""
+    import datasets
+    import torch
+    from trl import RLOOConfig, RLOOTrainer
+
+    from trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS, combine_rewards
+    from trainer.algorithms.policy import policy_loss
+    from trainer.engine.completions import batched_logps, token_logps
+
+    G = 4
+    pairs = read_rows("preferences.jsonl", count)
+    prompts, completions = group_completions(tokenizer, pairs, max_length, group=G)
+    layout = Layout.build(prompts, completions, tokenizer.pad_token_id)
+    n, P = len(completions), layout.width_p
+    rewards = torch.tensor([GROUP_REWARDS[i % len(GROUP_REWARDS)] for i in range(n)])  # [N]
+    generating = perturbed(model)
+    updated = perturbed(generating, scale=0.01, seed=2)
+    mask = layout.full_mask
+
+    combined = combine_rewards(rewards[:, None], torch.ones(1))
+    our_adv, reward_stats = ADVANTAGE_ESTIMATORS["rloo"](combined, G, "group")
+    old = batched_logps(copy.deepcopy(generating).eval(), layout.batch, n, 0, 1.0)
+    ours = copy.deepcopy(updated).train()
+    logps, ent = token_logps(ours, layout.batch, slice(None), with_entropy=True)
+    loss_ours, stats = policy_loss(logps, old, our_adv, mask, loss_type="dapo", epsilon=0.2,
+                                   num_items_in_batch=float(layout.completion_mask.sum()))
+    loss_ours.backward()
+    our_metrics = {"entropy": ent, **{k: float(v) for k, v in {**stats, **reward_stats}.items() if v.ndim == 0},
+                   "rewards/fixed_reward/mean": float(torch.nanmean(rewards)),
+                   "rewards/fixed_reward/std": float(rewards.std())}
+    # TRL's RLOO objective on alignflow's log-probs and advantages.
+    redone = copy.deepcopy(updated).train()
+    seq_logps = token_logps(redone, layout.batch, slice(None))[0].mul(mask).sum(1)  # [N]
+    ratio = torch.exp(seq_logps - old.mul(mask).sum(1))
+    loss_redone = -torch.min(ratio * our_adv, ratio.clamp(0.8, 1.2) * our_adv).mean()
+    loss_redone.backward()
+    with torch.no_grad():
+        low, high = (ratio < 0.8) & (our_adv < 0), (ratio > 1.2) & (our_adv > 0)
+        redone_metrics = {"clip_ratio/low_mean": low.float().mean(), "clip_ratio/high_mean": high.float().mean(),
+                          "clip_ratio/region_mean": (low | high).float().mean()}
+
+    def fixed_reward(completions, **_):
+        return rewards.tolist()
+
+    theirs = copy.deepcopy(generating)
+    args = trl_args(RLOOConfig, work, beta=0.0, epsilon=0.2, num_generations=G, num_iterations=2,
+                    max_completion_length=layout.width_c, temperature=1.0)
+    texts = [p["prompt"] for p in pairs]
+    trainer = RLOOTrainer(model=theirs, reward_funcs=fixed_reward, args=args,
+                          train_dataset=datasets.Dataset.from_list([{"prompt": t} for t in texts]),
+                          processing_class=tokenizer)
+    trainer._generate = lambda prompt_texts: (prompts, completions,
+                                              tokenizer.batch_decode(completions, skip_special_tokens=True))
+    theirs.train()
+    inputs = trainer._generate_and_score_completions([{"prompt": t} for t in texts for _ in range(G)])
+    trl_old = inputs["old_logps"]
+    theirs.load_state_dict(updated.state_dict())  # the second iteration
+    loss_trl = trainer.compute_loss(trainer.model, inputs)
+    loss_trl.backward()
+    with torch.no_grad():
+        trl_logps = trainer._get_per_token_logps_and_entropies(theirs, layout.input_ids, layout.attention,
+                                                               layout.width_c)[0]
+
+    real = layout.completion_mask.bool()
+    logprob_diff = max(float((logps[:, P:][real] - trl_logps[real]).abs().max()),
+                       float((old.mul(mask).sum(1) - trl_old).abs().max()))
+    same_ids = bool(torch.equal(inputs["prompt_ids"], layout.prompt_ids)
+                    and torch.equal(inputs["completion_ids"], layout.completion_ids))
+    trl_metrics = trainer._metrics["train"]
+    result = row("rloo", "dapo loss (alignflow) vs sequence-level ratio (TRL), num_iterations 2, scored by each side",
+                 (same_ids, int((inputs["completion_mask"].bool() != real).sum())), logprob_diff,
+                 (float(loss_ours.detach()), float(loss_trl.detach())), (grad_norm(ours), grad_norm(theirs)),
+                 shared_metrics(our_metrics, trl_metrics), (layout.input_ids.shape,) * 2)
+    result["advantages_max_abs_diff"] = float((our_adv - inputs["advantages"]).abs().max())
+    result["advantages"] = {"alignflow": our_adv.tolist(), "trl": inputs["advantages"].tolist()}
+    redone_result = {"loss_rel_diff": rel_diff(float(loss_redone.detach()), float(loss_trl.detach())),
+                     "loss_abs_diff": abs(float(loss_redone.detach()) - float(loss_trl.detach())),
+                     "grad_norm_rel_diff": rel_diff(grad_norm(redone), grad_norm(theirs)),
+                     "metrics": shared_metrics({**{k: float(v) for k, v in redone_metrics.items()},
+                                                **{k: v for k, v in our_metrics.items() if not k.startswith("clip")}},
+                                               trl_metrics)}
+    result["alignflow_with_trl_definition"] = redone_result
+    result["note"] = ("TRL's RLOOTrainer clips one ratio per sequence and averages over sequences; alignflow's "
+                      f"log-probs and advantages in TRL's objective: loss {redone_result['loss_rel_diff']:.1e} "
+                      f"(abs {redone_result['loss_abs_diff']:.1e}), grad norm "
+                      f"{redone_result['grad_norm_rel_diff']:.1e}, worst metric {worst_metric(redone_result)}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# PPO: one PPO step on fixed rollouts against TRL 1.12's PPOTrainer (trl.experimental.ppo; 1.13 removed it)
+
+# alignflow's PPO metric -> TRL PPOTrainer's name for the same quantity (one mini-batch: TRL's `_avg` is its value).
+PPO_METRIC_NAMES = {"ppo/loss/policy": "loss/policy_avg", "ppo/loss/value": "loss/value_avg",
+                    "ppo/policy/clipfrac": "policy/clipfrac_avg", "ppo/policy/approxkl": "policy/approxkl_avg",
+                    "ppo/val/clipfrac": "val/clipfrac_avg"}
+PPO_SETTINGS = dict(kl_coef=0.05, gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+
+
+def seeded_classifier(model_dir: Path, seed: int):
+    """`AutoModelForSequenceClassification` (one label) from `model_dir` with a score head drawn from `seed`."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    out = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    with torch.no_grad():
+        out.score.weight.normal_(0.0, 0.5)
+    return out
+
+
+def ppo_case(model, tokenizer, model_dir: Path, work: Path, *, temperature: float, max_length: int,
+             count: int) -> dict[str, Any]:
+    """One PPO step (one epoch, one mini-batch, one micro-batch) on fixed rollouts, each side computing its own
+    rollout log-probs, reference log-probs, values, scores, KL rewards, GAE advantages (whitened) and returns.
+
+    Models, the same on both sides: the reference is the model; the policy that generated the rollouts is the model
+    plus noise; the reward model and the critic (a separate value network, TRL's `value_model`, alignflow's
+    `critic: reward_model`) are sequence classifiers from the model's folder with seeded heads. The update runs as at a
+    later mini-batch: between the rollout and the update, policy and critic move (more seeded noise on both sides), so
+    that ratios and values clip. Rollouts: the first `count` preference prompts, each with its chosen answer + eos.
+    alignflow: what `ppo.rollout` and `ppo.update` call (`policy_forward` of a `PolicyWithValue`, `batched_logps`,
+    `RewardModelScorer.rewards`, `kl_penalty_rewards`, `gae_advantages`, `masked_whiten`, `ppo_policy_loss`,
+    `value_loss`). TRL: `PPOTrainer.train()` for one step with only its generation (`batch_generation`) replaced by
+    one that returns these completions and, as generate's scores, the rollout policy's logits / (T + 1e-7) from
+    TRL's own `forward`; its optimizer records the gradient norm and changes nothing; its tensors (advantages,
+    returns, ...) are read from `train()`'s frame when it logs."""
+    import sys as _sys
+
+    import datasets
+    import torch
+    import trl
+
+    try:
+        import trl.experimental.ppo.ppo_trainer as trl_ppo
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+    except ImportError as error:
+        raise RuntimeError(f"TRL {trl.__version__} has no PPOTrainer (1.13 removed it): pass --trl-ppo-path DIR after "
+                           f"`{TRL_PPO_PIN}`") from error
+
+    from trainer.algorithms.advantages import gae_advantages, kl_penalty_rewards
+    from trainer.algorithms.logprobs import logit_temperature
+    from trainer.algorithms.masked import masked_moments, masked_whiten
+    from trainer.algorithms.policy import ppo_policy_loss, value_loss, value_stats
+    from trainer.engine.completions import batched_logps
+    from trainer.rewards.scorer import RewardModelScorer
+    from trainer.stages.rl.ppo import PolicyWithValue, policy_forward
+
+    cfg = PPO_SETTINGS
+    # The first `count` distinct prompts (TRL's batch order is matched to alignflow's by prompt), each with its chosen
+    # answer + eos.
+    pairs = list({r["prompt"]: r for r in reversed(read_rows("preferences.jsonl", 10 * count))}.values())[::-1]
+    prompts, completions = group_completions(tokenizer, pairs[:count], max_length, group=2)
+    prompts, completions = prompts[::2], completions[::2]
+    layout = Layout.build(prompts, completions, tokenizer.pad_token_id)
+    n, P, C = len(completions), layout.width_p, layout.width_c
+    reward_dir = work / "ppo-reward"
+    seeded_classifier(model_dir, seed=0).save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    critic = seeded_classifier(model_dir, seed=3)
+    rollout_policy = perturbed(model)
+    policy, moved_critic = perturbed(rollout_policy, scale=0.01, seed=2), perturbed(critic, scale=0.01, seed=4)
+
+    # alignflow: `ppo.rollout`, then `ppo.update` for one mini-batch of one micro-batch.
+    T = logit_temperature(temperature)
+    batch, mask = layout.batch, layout.completion_mask  # mask [N, C]
+    scorer = RewardModelScorer(str(reward_dir))
+    with torch.no_grad():
+        scores = scorer.rewards(batch.input_ids, batch.attention_mask)  # [N]
+        old_logps, old_values = policy_forward(PolicyWithValue(copy.deepcopy(rollout_policy), copy.deepcopy(critic)),
+                                               batch, slice(None), T)  # [N, C]
+        ref = batched_logps(copy.deepcopy(model).eval(), batch, n, temperature=T)[:, P:]
+    token_rewards, stats = kl_penalty_rewards(scores, old_logps, ref, mask, cfg["kl_coef"])
+    raw_advantages, returns = gae_advantages(token_rewards, old_values, mask, cfg["gamma"], cfg["lam"])
+    advantages = masked_whiten(raw_advantages, mask, moments=masked_moments(raw_advantages, mask))
+    stats.update(value_stats(old_values, returns, mask))
+    ours = PolicyWithValue(copy.deepcopy(policy), copy.deepcopy(moved_critic)).train()
+    logps, values = policy_forward(ours, batch, slice(None), T)
+    pg_loss, pg_stats = ppo_policy_loss(logps, old_logps, advantages, mask, cfg["cliprange"])
+    vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cfg["cliprange_value"])
+    loss_ours = pg_loss + cfg["vf_coef"] * vf_loss
+    loss_ours.backward()
+    our_metrics = {PPO_METRIC_NAMES.get(k, k): float(v) for k, v in {**stats, **pg_stats, **vf_stats}.items()}
+
+    # TRL: train() for one PPO step on the same rollouts.
+    by_prompt = {tuple(p): c for p, c in zip(prompts, completions)}
+    seen: dict[str, Any] = {}
+
+    def fixed_generation(lm, queries, _chunk, pad, _config):  # replaces trl_ppo.batch_generation
+        responses = torch.full((len(queries), C), pad)
+        for i, q in enumerate(queries.tolist()):
+            c = by_prompt[tuple(t for t in q if t != pad)]
+            responses[i, :len(c)] = torch.tensor(c)
+        query_responses = torch.cat([queries, responses], 1)
+        logits = trl_forward(lm, query_responses, pad).logits[:, queries.shape[1] - 1:-1] / (temperature + 1e-7)
+        seen["queries"] = queries
+        return query_responses, logits
+
+    trl_forward = trl_ppo.forward
+
+    def moving_forward(module, query_responses, pad):  # the update's forward: policy and critic have moved
+        if isinstance(module, trl_ppo.PolicyAndValueWrapper):
+            if "moved" not in seen:
+                module.policy.load_state_dict(policy.state_dict())
+                module.value_model.load_state_dict(moved_critic.state_dict())
+                seen["moved"] = True
+        return trl_forward(module, query_responses, pad)
+
+    class RecordingOptimizer(torch.optim.Optimizer):  # keeps the gradient norm; leaves the weights as they are
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.0})
+
+        def step(self, closure=None):
+            grads = [p.grad.detach().double().norm() for g in self.param_groups for p in g["params"]
+                     if p.grad is not None]
+            seen["grad_norm"] = float(torch.stack(grads).norm())
+
+    trl_tokenizer = copy.deepcopy(tokenizer)
+    trl_tokenizer.padding_side = "left"
+    theirs_policy, theirs_critic = copy.deepcopy(rollout_policy), copy.deepcopy(critic)
+    args = trl_args(PPOConfig, work, per_device_train_batch_size=n, num_mini_batches=1, num_ppo_epochs=1,
+                    gradient_accumulation_steps=1, total_episodes=n, response_length=C, stop_token="eos",
+                    temperature=temperature, kl_estimator="k1", whiten_rewards=False, missing_eos_penalty=None,
+                    num_sample_generations=0, local_rollout_forward_batch_size=n, lr_scheduler_type="constant",
+                    kl_coef=cfg["kl_coef"], gamma=cfg["gamma"], lam=cfg["lam"], cliprange=cfg["cliprange"],
+                    cliprange_value=cfg["cliprange_value"], vf_coef=cfg["vf_coef"])
+    optimizer = RecordingOptimizer(list(theirs_policy.parameters()) + list(theirs_critic.parameters()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    from transformers import AutoModelForSequenceClassification
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32)
+    trainer = PPOTrainer(args=args, processing_class=trl_tokenizer, model=theirs_policy,
+                         ref_model=copy.deepcopy(model), reward_model=reward_model,
+                         train_dataset=datasets.Dataset.from_list([{"input_ids": p} for p in prompts[:n]]),
+                         value_model=theirs_critic, optimizers=(optimizer, scheduler))
+    backward = trainer.accelerator.backward
+
+    def recording_backward(loss, **kwargs):
+        seen["loss"] = float(loss.detach())
+        return backward(loss, **kwargs)
+
+    def recording_log(logs, *_args, **_kwargs):  # called by train() with its tensors still alive
+        seen["frame"] = dict(_sys._getframe(1).f_locals)
+        seen["metrics"] = dict(logs)
+
+    trainer.accelerator.backward, trainer.log = recording_backward, recording_log
+    patched = {"batch_generation": fixed_generation, "forward": moving_forward}
+    saved = {k: getattr(trl_ppo, k) for k in patched}
+    try:
+        for k, v in patched.items():
+            setattr(trl_ppo, k, v)
+        trainer.train()
+    finally:
+        for k, v in saved.items():
+            setattr(trl_ppo, k, v)
+
+    # TRL's rows come in its dataloader's order: put them in alignflow's.
+    frame = seen["frame"]
+    order = [prompts.index([t for t in q if t != tokenizer.pad_token_id]) for q in seen["queries"].tolist()]
+    back = torch.tensor(order).argsort()
+    same_ids = bool(torch.equal(frame["query_responses"][back], batch.input_ids))
+    differing = int(((~frame["padding_mask"][back]) != mask.bool()).sum())
+    real = mask.bool()
+
+    # TRL's update forward again (its mini-batch ran the same rows, shuffled, on the same weights: the recording
+    # optimizer changed none), for its per-token log-probs and for the objective recomputed from its tensors.
+    out, vpred = trl_forward(trainer.model, frame["query_responses"], tokenizer.pad_token_id)
+    new_logps = torch.log_softmax(out.logits[:, P - 1:-1] / (temperature + 1e-7), -1)
+    new_logps = new_logps.gather(-1, frame["responses"][..., None]).squeeze(-1)  # [N, C]
+    vpred = vpred[:, P - 1:-1].squeeze(-1)  # [N, C]
+    recomputed = {at_eos: trl_ppo_objective(frame, new_logps, vpred, cfg, trl_ppo, at_eos) for at_eos in (False, True)}
+    recomputed[True]["loss"].backward()  # TRL's zero_grad left no gradients
+    with_our_definition = {"grad_norm": grad_norm(trainer.model)}
+
+    logprob_diffs = {name: float((a[real] - b[back][real]).abs().max()) for name, a, b in (
+        ("rollout", old_logps, frame["logprobs"]), ("reference", ref, frame["ref_logprobs"]),
+        ("policy", logps.detach(), new_logps.detach()))}
+    trl_metrics = {k: [v] for k, v in seen["metrics"].items()}
+    result = row("ppo", f"k1 KL penalty, GAE, clipped value loss, T {temperature:g}, scored by each side",
+                 (same_ids, differing), max(logprob_diffs.values()), (float(loss_ours.detach()), seen["loss"]),
+                 (grad_norm(ours), seen["grad_norm"]), shared_metrics(our_metrics, trl_metrics),
+                 (batch.input_ids.shape, frame["query_responses"].shape))
+    result["trl_version"] = trl.__version__
+    result["logprob_max_abs_diff_by_kind"] = logprob_diffs
+    compared = {"scores": (scores, frame["scores"][back], None), "values": (old_values, frame["values"][back], real),
+                "advantages": (advantages, frame["advantages"][back], real),
+                "returns": (returns, frame["returns"][back], real)}
+    for name, (a, b, where) in compared.items():
+        result[f"{name}_max_abs_diff"] = float(((a - b).abs() if where is None else (a - b).abs()[where]).max())
+
+    # TRL's objective recomputed from its own tensors, once as TRL defines it (which must give train()'s loss) and
+    # once with alignflow's definition (score on the eos token, values and value loss up to it, approxkl over
+    # completion tokens), compared with alignflow's.
+    mine = recomputed[True]
+    with_our_definition.update({
+        "trl_definition_loss_rel_diff_from_train": rel_diff(float(recomputed[False]["loss"]), seen["loss"]),
+        "loss": float(mine["loss"]), "loss_rel_diff": rel_diff(float(loss_ours.detach()), float(mine["loss"])),
+        "loss_abs_diff": abs(float(loss_ours.detach()) - float(mine["loss"])),
+        "grad_norm_rel_diff": rel_diff(grad_norm(ours), with_our_definition["grad_norm"]),
+        "advantages_max_abs_diff": float((advantages - mine["advantages"][back]).abs()[real].max()),
+        "returns_max_abs_diff": float((returns - mine["returns"][back]).abs()[real].max()),
+        "metrics": shared_metrics(our_metrics, {k: [float(v)] for k, v in mine["metrics"].items()})})
+    result["trl_with_alignflow_definition"] = with_our_definition
+    name, worst = max(with_our_definition["metrics"].items(), key=lambda kv: kv[1]["rel_diff"])
+    result["note"] = (
+        "TRL adds the score one position after eos and fits values there, and averages approxkl over padding too; "
+        "TRL's tensors recomputed with alignflow's definition: loss "
+        f"{with_our_definition['loss_rel_diff']:.1e}, grad norm {with_our_definition['grad_norm_rel_diff']:.1e}, "
+        f"advantages {with_our_definition['advantages_max_abs_diff']:.1e}, returns "
+        f"{with_our_definition['returns_max_abs_diff']:.1e} (abs), worst metric {name} {worst['rel_diff']:.1e} "
+        f"(abs {abs(worst['alignflow'] - worst['trl']):.1e}); TRL's own definition recomputed gives train()'s loss "
+        f"to {with_our_definition['trl_definition_loss_rel_diff_from_train']:.1e}")
+    return result
+
+
+def trl_ppo_objective(frame: dict[str, Any], new_logps, vpred, cfg: dict[str, float], trl_ppo,
+                      at_eos: bool) -> dict[str, Any]:
+    """TRL PPOTrainer's rewards, GAE, whitening and loss, recomputed from the tensors of its `train()` (`frame`) and
+    its update forward (`new_logps`, `vpred` [N, C], with gradients), with TRL's own `masked_mean`/`masked_whiten`.
+    `at_eos` False: TRL 1.12's definition: the score one position after the eos token (the first pad; TRL issues
+    #1893, #3750), values and the value loss one position past the eos, approxkl averaged over every position.
+    True: alignflow's: the score on the eos token (the last action), values and value loss up to it, approxkl over
+    completion tokens. Returns the total loss, TRL-named metrics, and the advantages and returns [N, C]."""
+    import torch
+
+    pad = frame["padding_mask"]  # [N, C] True after the eos token
+    lengths = frame["sequence_lengths"]  # [N] column of the eos token
+    width = pad.shape[1]
+    if at_eos:
+        value_pad, end = pad, lengths
+    else:
+        value_pad = frame["padding_mask_p1"]
+        end = torch.where(lengths + 1 < width, lengths + 1, lengths)
+    values = frame["values"].masked_fill(value_pad, 0)
+    rewards = -cfg["kl_coef"] * frame["kl"]
+    rewards[torch.arange(len(end)), end] += frame["scores"]
+    advantages, last = torch.zeros_like(rewards), 0.0
+    for t in reversed(range(width)):  # GAE (Schulman et al. 2016, Eq. 16), V after the last column 0
+        following = values[:, t + 1] if t + 1 < width else 0.0
+        last = rewards[:, t] + cfg["gamma"] * following - values[:, t] + cfg["gamma"] * cfg["lam"] * last
+        advantages[:, t] = last
+    returns = advantages + values
+    advantages = trl_ppo.masked_whiten(advantages, ~pad).masked_fill(pad, 0)
+
+    new_logps = new_logps.masked_fill(pad, 1.0)  # TRL's INVALID_LOGPROB, as `logprobs` holds it
+    vpred = vpred.masked_fill(value_pad, 0)
+    clipped = torch.clamp(vpred, values - cfg["cliprange_value"], values + cfg["cliprange_value"])
+    vf_plain, vf_clipped = (vpred - returns) ** 2, (clipped - returns) ** 2
+    vf_loss = 0.5 * trl_ppo.masked_mean(torch.max(vf_plain, vf_clipped), ~value_pad)
+    log_ratio = new_logps - frame["logprobs"]
+    ratio = torch.exp(log_ratio)
+    pg_plain = -advantages * ratio
+    pg_clipped = -advantages * torch.clamp(ratio, 1 - cfg["cliprange"], 1 + cfg["cliprange"])
+    pg_loss = trl_ppo.masked_mean(torch.max(pg_plain, pg_clipped), ~pad)
+    with torch.no_grad():
+        approxkl = 0.5 * (trl_ppo.masked_mean(log_ratio ** 2, ~pad) if at_eos else (log_ratio ** 2).mean())
+        metrics = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "policy/approxkl_avg": approxkl,
+                   "policy/clipfrac_avg": trl_ppo.masked_mean((pg_clipped > pg_plain).float(), ~pad),
+                   "val/clipfrac_avg": trl_ppo.masked_mean((vf_clipped > vf_plain).float(), ~value_pad)}
+    return {"loss": pg_loss + cfg["vf_coef"] * vf_loss, "metrics": metrics, "advantages": advantages.detach(),
+            "returns": returns.detach()}
+
+
 # ----------------------------------------------------------------------------------------------
 # The table
 
@@ -507,8 +1057,23 @@ def status(result: dict[str, Any], tolerance: float) -> str:
     metrics_ok = all(m["rel_diff"] <= tolerance or abs(m["alignflow"] - m["trl"]) <= tolerance
                      for m in result["metrics"].values())
     logprob = result["logprob_max_abs_diff"]
+    # GRPO's advantages; PPO's scores, values, advantages and returns.
+    diffs += [v for k, v in result.items() if k.endswith("_max_abs_diff") and k != "logprob_max_abs_diff"]
     ok = logprob is not None and logprob <= tolerance and all(d <= tolerance for d in diffs) and metrics_ok
-    return "match" if ok else "DIFFERS"
+    if ok:
+        return "match"
+    # PPO: TRL's own tensors recomputed with alignflow's definition (see `trl_ppo_objective`).
+    # PPO: TRL's tensors recomputed with alignflow's definition; RLOO: alignflow's in TRL's objective. Recomputed
+    # losses pass within `tolerance` relative or absolute, as metrics: a loss that sums exp(summed log-ratios) of
+    # ±advantages cancels, and float32 rounding of the summed log-probs alone moves it by ~1e-6.
+    redone = result.get("trl_with_alignflow_definition") or result.get("alignflow_with_trl_definition")
+    if redone and logprob is not None and logprob <= tolerance and all(
+            v <= tolerance for k, v in redone.items() if k.endswith("_max_abs_diff") or k == "grad_norm_rel_diff") and (
+            redone["loss_rel_diff"] <= tolerance or redone["loss_abs_diff"] <= tolerance) and all(
+            m["rel_diff"] <= tolerance or abs(m["alignflow"] - m["trl"]) <= tolerance
+            for m in redone["metrics"].values()):
+        return "definition differs"
+    return "DIFFERS"
 
 
 def worst_metric(result: dict[str, Any]) -> str:
@@ -517,6 +1082,22 @@ def worst_metric(result: dict[str, Any]) -> str:
         return "-"
     name = max(metrics, key=lambda k: metrics[k]["rel_diff"])
     return f"{name} {metrics[name]['rel_diff']:.1e}"
+
+
+def ppo_in_child(args, names: list[str], model_dir: Path, work: Path) -> dict[str, dict[str, Any]]:
+    """Run the ppo cases in a child process whose only TRL is the one at `--trl-ppo-path`; case -> its row."""
+    import subprocess
+
+    out = work / "ppo-child.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--cases", ",".join(names), "--model", str(model_dir),
+               "--rows", str(args.rows), "--max-length", str(args.max_length), "--tolerance", str(args.tolerance),
+               "--threads", str(args.threads), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(args.trl_ppo_path)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode or not out.exists():
+        error = f"child process failed ({done.returncode}): {done.stderr[-2000:]}"
+        return {name: {"stage": "ppo", "case": name, "error": error} for name in names}
+    return dict(zip(names, json.loads(out.read_text())["runs"]))
 
 
 def main() -> None:
@@ -530,6 +1111,10 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="Largest relative (and log-prob) diff that passes.")
     parser.add_argument("--threads", type=int, default=2, help="torch threads.")
+    parser.add_argument("--trl-ppo-path", type=Path, default=None,
+                        help="A folder holding TRL 1.12.0, the last with PPOTrainer (`" + TRL_PPO_PIN + "`): the ppo "
+                             "cases then run in a child process with it as PYTHONPATH, merged into this run's table. "
+                             "Default: in this process, whose TRL must then be 1.12.")
     parser.add_argument("--out", type=Path, default=RESULT,
                         help="Result JSON (default benchmarks/results/parity.json).")
     args = parser.parse_args()
@@ -577,12 +1162,26 @@ def main() -> None:
             "grpo-kl": lambda: grpo_case(model, tokenizer, work, beta=0.04, bias_correction=False, **settings),
             "grpo-kl-trl-default": lambda: grpo_case(model, tokenizer, work, beta=0.04, bias_correction=None,
                                                      **settings),
+            **{f"grpo-loss-{t}": (lambda t=t: grpo_scored_case(model, tokenizer, work, loss_type=t, num_iterations=2,
+                                                               **settings)) for t in ("grpo", "bnpo", "dr_grpo", "dapo")},
+            "grpo-temperature-kl": lambda: grpo_scored_case(model, tokenizer, work, loss_type="dapo", temperature=0.7,
+                                                            beta=0.04, **settings),
+            **{f"grpo-scale-{m}": (lambda m=m: grpo_scored_case(model, tokenizer, work, loss_type="dapo",
+                                                                scale_rewards=m, **settings)) for m in ("batch", "none")},
+            "grpo-iterations-kl": lambda: grpo_scored_case(model, tokenizer, work, loss_type="dapo", temperature=0.7,
+                                                           beta=0.04, num_iterations=2, **settings),
+            "rloo": lambda: rloo_case(model, tokenizer, work, **settings),
+            "ppo": lambda: ppo_case(model, tokenizer, model_dir, work, temperature=1.0, **settings),
+            "ppo-temperature": lambda: ppo_case(model, tokenizer, model_dir, work, temperature=0.7, **settings),
         }
+        child = {}
+        if args.trl_ppo_path and any(name.startswith("ppo") for name in cases):
+            child = ppo_in_child(args, [name for name in cases if name.startswith("ppo")], model_dir, work)
         results = []
         for name in cases:
             torch.manual_seed(0)
             try:
-                result = runners[name]()
+                result = child[name] if name in child else runners[name]()
             except Exception as error:  # one broken case must not hide the others
                 result = {"stage": name.split("-")[0], "case": name, "error": f"{type(error).__name__}: {error}"}
             result["status"] = status(result, args.tolerance)
@@ -590,11 +1189,12 @@ def main() -> None:
             print(f"{name}: {result['status']}", file=sys.stderr)
 
     table = [[r["stage"], r["case"], r.get("logprob_max_abs_diff"), r.get("loss_rel_diff"),
-              r.get("grad_norm_rel_diff"), worst_metric(r), r["status"]] for r in results]
-    common.print_header("Parity with TRL 1.16", f"float32, {args.rows} rows, one forward and backward per side",
+              r.get("grad_norm_rel_diff"), r.get("advantages_max_abs_diff"), worst_metric(r), r["status"]]
+             for r in results]
+    common.print_header("Parity with TRL 1.16 (PPO: 1.12)", f"float32, {args.rows} rows, one forward and backward per side",
                         started, load_before)
     print(common.format_table(["stage", "case", "logprob max abs diff", "loss rel diff", "grad-norm rel diff",
-                               "worst shared metric (rel diff)", "status"], table))
+                               "advantages max abs diff", "worst shared metric (rel diff)", "status"], table))
     for r in results:
         if r.get("error") or r.get("note"):
             print(f"- {r['stage']} {r['case']}: {r.get('error') or r['note']}")
