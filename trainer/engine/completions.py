@@ -24,7 +24,7 @@ import torch
 
 from trainer.algorithms.logprobs import entropy, selective_log_softmax, target_logits, to_padded
 from trainer.data.chat_templates import is_conversational, render_chat
-from trainer.engine.attention import SHARED_ATTENTION, register_shared_attention, share_prompts
+from trainer.engine.attention import SHARED_ATTENTION, share_prompts
 
 
 def chat_text(value: Any) -> str:
@@ -169,12 +169,6 @@ def _attention(model) -> str:
 def _can_share_prompts(model, row_length: int) -> bool:
     """Shared-prompt rows need an attention that takes an arbitrary 4D mask (eager, sdpa, ours)."""
     return _attention(model) in ("sdpa", "eager", SHARED_ATTENTION) and row_length <= MAX_SHARED_ROW
-
-
-def use_block_attention(model) -> None:
-    """Swap sdpa for `shared_prompt_attention` (plain sdpa for anything but shared-prompt rows)."""
-    if model is not None and _attention(model) == "sdpa":
-        model.set_attn_implementation(register_shared_attention())
 
 
 def _model_dtype(model) -> torch.dtype:

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from trainer.engine import attention, distributed, hub, identity
 from trainer.engine import checkpoint as ckpt
-from trainer.engine import distributed, hub, identity
 from trainer.engine.loop import MetricWindow, build_optimizer, build_scheduler, set_seed, step_batches
 from trainer.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignal
 from trainer.errors import TrainingError
@@ -185,6 +185,7 @@ class StageRunner:
         self.scheduler = build_scheduler(optimizer, config, total_steps)
         distributed.fill_deepspeed_config(self.accelerator, config.per_device_batch_size,
                                           config.gradient_accumulation_steps, config.max_grad_norm)
+        attention.use_alignflow_attention(model)  # faster training forwards on the CPU in half precision
         self.model, self.optimizer = self.accelerator.prepare(wrap(model) if wrap else model, optimizer)
         if self.resume:
             self.state = ckpt.load_training_state(self.resume, self._checkpoint_optimizer, self.scheduler)

@@ -51,13 +51,13 @@ from trainer.algorithms.policy import GRPOLossType, ISMode, policy_loss, rollout
 from trainer.config.options import option
 from trainer.data.sources import describe_datasets
 from trainer.engine import distributed
+from trainer.engine.attention import use_alignflow_attention
 from trainer.engine.completions import (
     RolloutBatch,
     batched_logps,
     build_batch,
     sample_rows,
     token_logps,
-    use_block_attention,
 )
 from trainer.engine.loop import MetricWindow, keep_freed_memory
 from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
@@ -320,7 +320,7 @@ def run_grpo(config: GRPOConfig) -> str:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
     if config.share_prompt:
         for m in (model, ref_model):
-            use_block_attention(m)
+            use_alignflow_attention(m)
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)

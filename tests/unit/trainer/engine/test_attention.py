@@ -1,13 +1,18 @@
 """Shared-prompt attention (trainer/engine/attention.py): the same log-probs and gradients as plain attention, at less cost."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from trainer.engine.attention import (
+    DENSE_PROBS_BUDGET,
     SHARED_ATTENTION,
+    dense_attention,
     register_shared_attention,
     share_prompts,
     shared_prompt_attention,
+    use_alignflow_attention,
 )
 from trainer.engine.completions import build_batch, token_logps
 from trainer.engine.models import load_causal_lm
@@ -124,3 +129,58 @@ def test_half_precision_block_attention_on_cpu(P, G, C, blocks):
         block = torch.arange(G * C) // C
         leaky[:, :, P:, P:] = torch.where(block[:, None] == block[None, :], leaky[:, :, P:, P:], torch.zeros(()))
         assert torch.equal(attend(leaky, *half)[0], out)
+
+
+@pytest.mark.parametrize("mask_kind", ["padding", "causal", "bidirectional"])
+def test_dense_attention_in_bfloat16_matches_float64_attention(mask_kind):
+    """`dense_attention` (GQA heads, a boolean padding mask, or none: causal or not as the module says) gives
+    float64 attention's output and gradients within bf16 rounding, in bf16."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, D = 2, 6, 2, 17, 16
+    q, weights = torch.randn(B, H, T, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    k, v = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+    mask = None
+    if mask_kind == "padding":  # causal, the second row left-padded by 3
+        mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+        mask[1, :, :, :3] = False
+        mask[1, :, :3, :3] = torch.eye(3, dtype=torch.bool)
+    module = torch.nn.Module()
+    module.is_causal = mask_kind != "bidirectional"
+    half = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    out = dense_attention(module, *half, mask, 0.0, D ** -0.5)
+    grads = torch.autograd.grad((out.float() * weights).sum(), half)
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(exact[0], repeat_kv(exact[1], 3), repeat_kv(exact[2], 3), attn_mask=mask,
+                                         is_causal=mask_kind == "causal", scale=D ** -0.5).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * weights.double()).sum(), exact)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, T, H, D)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
+    for grad, expected in zip(grads, ref_grads):
+        assert (grad.double() - expected).abs().max() <= 3e-2 * expected.abs().max()
+    module.config = SimpleNamespace(num_hidden_layers=DENSE_PROBS_BUDGET // (B * H * T * T * 2) + 1)
+    assert dense_attention(module, *half, mask, 0.0, D ** -0.5) is None  # too many probabilities to keep: sdpa
+
+
+def test_training_forwards_on_cpu_in_bfloat16_run_dense_attention(tiny_model):
+    """With `use_alignflow_attention`, a bf16-autocast training forward takes the matmul path (same
+    numbers as sdpa within bf16 rounding, not the same kernel); without gradients it is sdpa itself."""
+    model = load_causal_lm(tiny_model, "float32")
+    ids = torch.randint(5, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4] = 0
+
+    def hidden(grad: bool) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+            return model.model(input_ids=ids, attention_mask=attention_mask).last_hidden_state.float().detach()
+
+    sdpa = hidden(True), hidden(False)
+    use_alignflow_attention(model)
+    assert model.config._attn_implementation == SHARED_ATTENTION
+    trained, scored = hidden(True), hidden(False)
+    keep = attention_mask.bool()
+    assert torch.equal(scored, sdpa[1])
+    assert not torch.equal(trained[keep], sdpa[0][keep])
+    torch.testing.assert_close(trained[keep], sdpa[0][keep], atol=5e-2 * float(sdpa[0].abs().max()), rtol=0)
