@@ -183,7 +183,9 @@ def kl_penalty_rewards(
         r_t  = −β·KL_t + [t = last active token]·score
 
     Ziegler et al. 2019 (arXiv:1909.08593, Eq. 2) and Stiennon et al. 2020 (Eq. 1), in the per-token
-    form of TRL's `PPOTrainer` (and OpenRLHF's `compute_reward`). ``scores`` [N] are the sequence
+    form of TRL's `PPOTrainer` and OpenRLHF's `compute_reward`, with the score on the last completion
+    token as OpenRLHF; TRL 1.12 adds it one position later, on the first pad after eos (docs/trl.md,
+    "PPO: where the score goes"; benchmarks/parity.py measures both). ``scores`` [N] are the sequence
     rewards (any missing-EOS penalty already applied); ``logps``/``ref_logps``/``mask`` [N, T] are the
     rollout-time log-probs of the sampled tokens. A row without completion tokens gets no reward.
     Returns rewards [N, T] (0 where masked) and, TRL's names, ``objective/kl`` (mean over sequences of

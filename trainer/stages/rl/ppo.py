@@ -26,9 +26,11 @@ those of softmax(logits / T) at the sampling `temperature` T (TRL's PPOTrainer d
 T + 1e-7; the critic's values are not tempered); greedy rollouts (T = 0) are scored under the plain
 softmax (`trainer.algorithms.logprobs.logit_temperature`).
 
-Departures from TRL's `PPOTrainer`: `max_steps` counts optimizer steps (each PPO step takes
-`ppo_epochs × batch_size / mini_batch_size` of them); a completion that ends without EOS keeps its
-tokens (the penalty lowers its score); with several ranks, advantages (and rewards) are whitened
+Departures from TRL's `PPOTrainer`: the score is the reward of the last completion token (TRL adds it
+on the first pad after eos and fits a value there; docs/trl.md, "PPO: where the score goes"), and
+`ppo/policy/approxkl` averages over completion tokens (TRL's over padding too); `max_steps` counts
+optimizer steps (each PPO step takes `ppo_epochs × batch_size / mini_batch_size` of them); a
+completion that ends without EOS keeps its tokens (the penalty lowers its score); with several ranks, advantages (and rewards) are whitened
 over all ranks' tokens (TRL whitens each process's own), and the KL controller sees the mean KL of
 all ranks. With `mini_batch_size == batch_size`, N ranks therefore compute what one process does on
 the same global batch; smaller mini-batches are shuffled within each rank.
