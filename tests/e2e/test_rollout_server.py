@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from tests.helpers import alive, model_greedy, perturb
+from trainer.engine.launch import free_port
 from trainer.rollout import SamplingConfig, make_engine
+from trainer.rollout.server_client import VLLMServerEngine
 
 # find_spec, not import: the test process itself never needs vllm, only the server does.
 if importlib.util.find_spec("vllm") is None:
@@ -45,10 +47,10 @@ def policy(tiny_model):
             AutoTokenizer.from_pretrained(tiny_model))
 
 
-def start(tiny_model, policy):
+def start(tiny_model, policy, **options):
     model, tokenizer = policy
     return make_engine("vllm-server", model=model, tokenizer=tokenizer, model_path=tiny_model, max_model_len=512,
-                       server_timeout_s=240, dtype="float32")
+                       server_timeout_s=240, dtype="float32", **options)
 
 
 def server_processes(engine) -> list[psutil.Process]:
@@ -109,10 +111,9 @@ def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_ra
             assert after != before
             assert after == [model_greedy(model, p, MAX_NEW) for p in prompts]
             # The same over HTTP, as a server on another node gets them.
-            shared, engine.shared_dir = engine.shared_dir, None
+            engine.channel = "http"
             perturb(model, seed=5)
             engine.sync_weights(model.state_dict().items())
-            engine.shared_dir = shared
             assert engine.last_push["channel"] == "http"
             over_http = [s[0].token_ids for s in engine.generate(prompts, greedy)]
             assert over_http != after and over_http == [model_greedy(model, p, MAX_NEW) for p in prompts]
@@ -120,6 +121,46 @@ def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_ra
     assert engine.pid is None
     assert_all_gone(processes, pgid)
     engine.close()  # idempotent
+
+
+def test_sidecar_takes_weights_over_a_gloo_weight_group_and_a_restarted_trainer_forms_a_new_one(tiny_model, policy,
+                                                                                              kv_cache_env):
+    """The process-group channel (weight_group.py), forced: the probe would pick /dev/shm on this node. The first push
+    forms the group (the server's worker hosts its store at the group port) and the server's greedy output then
+    follows the pushed weights; a second engine on the same server, as a restarted or resumed trainer, forms a new
+    group there and its push is what the server serves next. The first engine's group is gone: its next push fails
+    with one line, and forming a group again (a new engine) works."""
+    model, _ = policy
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 30)]
+    greedy = SamplingConfig(max_new_tokens=MAX_NEW, temperature=0)
+    port = free_port()
+    with start(tiny_model, policy, group_port=port, weight_channel="group") as engine:
+        assert engine.info["weight_group"] == {"backend": "gloo", "workers": 1}
+        before = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+        perturb(model, seed=6)
+        engine.sync_weights(model.state_dict().items(), version=7)
+        push = engine.last_push
+        assert push["channel"] == "group" and push["chunks"] == len(model.state_dict())
+        assert push["bytes"] == sum(t.numel() * 4 for t in model.state_dict().values())
+        after = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+        assert after != before and after == [model_greedy(model, p, MAX_NEW) for p in prompts]
+
+        restarted = VLLMServerEngine(engine.url, max_model_len=512, timeout_s=60, group_port=port, channel="group")
+        perturb(model, seed=7)
+        restarted.sync_weights(model.state_dict().items())
+        assert restarted.last_push["channel"] == "group" and restarted.info["weight_version"] == 7
+        again = [s[0].token_ids for s in engine.generate(prompts, greedy)]
+        assert again != after and again == [model_greedy(model, p, MAX_NEW) for p in prompts]
+        restarted.close()
+        assert engine.group is not None
+        with pytest.raises(RuntimeError, match="over the group"):
+            engine.sync_weights(model.state_dict().items())  # its group was replaced by the restarted trainer's
+        assert engine.group is None  # dropped: its next push forms a new group
+        perturb(model, seed=8)
+        engine.sync_weights(model.state_dict().items())
+        assert [s[0].token_ids for s in engine.generate(prompts, greedy)] == [model_greedy(model, p, MAX_NEW)
+                                                                           for p in prompts]
 
 
 def test_sidecar_that_dies_at_start_reports_its_log(tmp_path, policy, kv_cache_env):

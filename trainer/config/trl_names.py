@@ -205,7 +205,6 @@ KNOWN: dict[str, Known] = {
                                     "KV cache in GPU memory during the update (on the CPU vLLM cannot sleep at all); "
                                     "lower `vllm_gpu_memory_utilization`, or use rollout_engine vllm-server"),
     "vllm_structured_outputs_regex": unset("structured outputs are not supported"),
-    "vllm_group_port": any_value("weights reach the rollout server over HTTP, not an NCCL group"),
     "vllm_max_model_length": any_value("set by alignflow from the stage's prompt and completion lengths"),
     "vllm_tensor_parallel_size": only((1,), "tensor parallelism of vLLM is not supported"),
     "importance_sampling_level": only(("token",), "importance ratios are per token (GSPO's sequence level is "

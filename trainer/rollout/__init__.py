@@ -14,6 +14,7 @@ from trainer.errors import MissingExtra
 from trainer.extras import message
 from trainer.rollout.base import Completion, RolloutEngine, SamplingConfig
 from trainer.rollout.hf import HFEngine
+from trainer.rollout.weight_group import DEFAULT_PORT
 
 ENGINE_KINDS = ("hf", "vllm", "vllm-server")
 
@@ -22,8 +23,8 @@ __all__ = ["ENGINE_KINDS", "Completion", "HFEngine", "RolloutEngine", "SamplingC
 
 def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: int, dtype: str = "float32",
                 seed: int = 0, gpu_memory_utilization: float = 0.3, server_devices: str | None = None,
-                server_url: str | None = None, server_timeout_s: float = 240,
-                synced_gpus: bool = False) -> RolloutEngine:
+                server_url: str | None = None, server_timeout_s: float = 240, group_port: int | None = DEFAULT_PORT,
+                weight_channel: str | None = None, synced_gpus: bool = False) -> RolloutEngine:
     """Build a rollout engine.
 
     `model` / `tokenizer` serve the ``hf`` engine; the vLLM engines load `model_path` (an HF
@@ -31,7 +32,9 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
     `seed` seeds the engine's own random stream (SamplingConfig.seed=None continues it).
     ``vllm-server``: `server_url` is a running `alignflow rollout-server`; None starts one as a child of
     this process (stopped by close()), on `server_devices` (its CUDA_VISIBLE_DEVICES, e.g. "1"; None
-    inherits the variable). `server_timeout_s` bounds the wait for it to answer.
+    inherits the variable). `server_timeout_s` bounds the wait for it to answer and the forming of the weight
+    group at `group_port` (TRL's `vllm_group_port`; 0: none); `weight_channel` forces how weights are sent
+    (server_client.CHANNELS; None chooses).
     `synced_gpus`: the hf engine's ranks step together (DeepSpeed ZeRO-3 on several ranks).
     """
     if kind == "hf":
@@ -42,14 +45,16 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
         from trainer.rollout.server_client import ServerProcess, VLLMServerEngine
 
         if server_url is not None:
-            return VLLMServerEngine(server_url, max_model_len=max_model_len, timeout_s=server_timeout_s)
+            return VLLMServerEngine(server_url, max_model_len=max_model_len, timeout_s=server_timeout_s,
+                                    group_port=group_port, channel=weight_channel)
         from trainer.rollout import vllm_engine
 
         if not vllm_engine.vllm_available():
             raise MissingExtra(message("vllm", f"The {kind!r} rollout engine (the 'hf' engine needs nothing more)"))
         server = ServerProcess(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
                                gpu_memory_utilization=gpu_memory_utilization, devices=server_devices)
-        return VLLMServerEngine(server.url, max_model_len=max_model_len, timeout_s=server_timeout_s, server=server)
+        return VLLMServerEngine(server.url, max_model_len=max_model_len, timeout_s=server_timeout_s, server=server,
+                                group_port=group_port, channel=weight_channel)
     from trainer.rollout import vllm_engine
 
     if not vllm_engine.vllm_available():

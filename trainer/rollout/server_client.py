@@ -7,11 +7,17 @@ one that `start_server` starts as a child of the job's first rank. Imports no vl
 - generate: one `/v1/completions` request per prompt, with token-id prompts and a seed per prompt
   (`base.sample_seed`), so a prompt's samples depend on (seed, prompt key) and the weights only, not
   on what else the server batches with it: N ranks sample what one process samples.
-- sync_weights: the tensors are streamed in safetensors chunks of about `chunk_bytes` as the iterator
-  yields them (so a caller that gathers a ZeRO-3 model module by module never holds the whole model),
-  then `/weights/commit` loads them all at once. A server on this node that sees this process's
-  /dev/shm (`/weights/probe` finds the file written there) gets each chunk as a file written there
-  (`/weights/file`: the bytes cross no socket); any other server gets it over HTTP (`/weights/chunk`).
+- sync_weights: the tensors are sent as the iterator yields them (so a caller that gathers a ZeRO-3
+  model module by module never holds the whole model), over one of three channels, chosen once:
+  1. `shared_memory`: a server on this node that sees this process's /dev/shm (`/weights/probe` finds
+     the file written there) gets safetensors chunks of about `chunk_bytes` as files written there
+     (`/weights/file`: the bytes cross no socket), then `/weights/commit` loads them all at once;
+  2. `group`: otherwise, when the server offers a weight group (/ready) and `group_port` is set (TRL's
+     `vllm_group_port`), this process joins a torch.distributed group with the server's workers
+     (weight_group.py: gloo on the CPU, NCCL on GPUs, untested) and broadcasts each tensor while the
+     workers' reload receives it (`/weights/group/init` once, `/weights/group/update` per push);
+  3. `http`: otherwise (one logged line says why), chunks travel in request bodies (`/weights/chunk`),
+     then `/weights/commit`.
 - Every failure to reach the server is a `RolloutServerError`: one line with the URL, what failed,
   and what to do. A server that dies mid-run ends the job with it (no reconnect); the job resumes
   from its last checkpoint (`resume_from_checkpoint auto`), and its first act is to push its weights.
@@ -21,9 +27,11 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +60,9 @@ from trainer.rollout.base import (
 )
 from trainer.rollout.server import SERVED_NAME, SHARED_PREFIX, SHARED_ROOT
 from trainer.rollout.vllm_engine import sampling_fields
+from trainer.rollout.weight_group import DEFAULT_PORT, WeightGroup, open_store
+
+log = logging.getLogger(__name__)
 
 # Runs before the server's own interpreter (via exec, same pid): on Linux, ask for SIGTERM when
 # the thread that started us dies, even by SIGKILL, so a crashed trainer leaves no server behind.
@@ -67,6 +78,22 @@ if os.getppid() != int(sys.argv[1]):
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 CHUNK_BYTES = 256 * 2**20
+CHANNELS = ("shared_memory", "group", "http")  # how sync_weights sends (module docstring), in order of preference
+
+
+def _wait_for_port(host: str, port: int, deadline: float, answer) -> None:
+    """Until something listens at host:port (the server's worker 0 starting the group's store), or `deadline`:
+    torch's own store client would retry for up to twice its timeout. Stops early if the server has answered
+    (with an error: it started no store)."""
+    last: OSError | None = None
+    while time.monotonic() < deadline and not (answer.done() and answer.exception() is not None):
+        try:
+            with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 2.0), 0.1)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens at {host}:{port}" + (f" ({last})" if last else ""))
 
 
 def server_url(host: str | None, port: int | None, base_url: str | None) -> str | None:
@@ -179,15 +206,23 @@ def live_group_members(pgid: int) -> list[int]:
 class VLLMServerEngine(EngineContext):
     """The rollout engine of a job whose generation runs in `alignflow rollout-server` at `url`.
 
-    `server`: the child process serving `url` when this engine started it (closed with the engine)."""
+    `server`: the child process serving `url` when this engine started it (closed with the engine).
+    `group_port`: the server-side port of the weight group (TRL's `vllm_group_port`; 0 or None: no group).
+    `channel`: one of CHANNELS to force it (tests, benchmarks; an error if it is not available); None chooses.
+    `timeout_s` (vllm_server_timeout) bounds the wait for the server and the forming of the weight group."""
 
     def __init__(self, url: str, *, max_model_len: int, timeout_s: float = 240, request_timeout_s: float = 3600,
-                 server: ServerProcess | None = None, chunk_bytes: int = CHUNK_BYTES):
+                 server: ServerProcess | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 group_port: int | None = DEFAULT_PORT, channel: str | None = None):
+        if channel not in (None, *CHANNELS):
+            raise ValueError(f"channel {channel!r}: choose one of {', '.join(CHANNELS)}, or None")
         self.url, self.max_model_len, self.server = url.rstrip("/"), max_model_len, server
         self.request_timeout_s, self.chunk_bytes = request_timeout_s, chunk_bytes
+        self.timeout_s, self.group_port = timeout_s, group_port
         self._closed = False
         self.last_push: dict = {}
         self.shared_dir: Path | None = None  # this process's push folder in /dev/shm, when the server sees it
+        self.group: WeightGroup | None = None  # formed at the first push over the group channel
         start = time.perf_counter()
         try:
             self.info = self._wait_ready(timeout_s)
@@ -195,7 +230,11 @@ class VLLMServerEngine(EngineContext):
             self.close()
             raise
         self.start_seconds = time.perf_counter() - start
-        self.shared_dir = self._shared_memory()
+        try:
+            self.channel = self._choose_channel(channel)
+        except BaseException:
+            self.close()
+            raise
         if self.info["max_model_len"] < max_model_len:
             self.close()
             raise RolloutServerError(
@@ -227,6 +266,35 @@ class VLLMServerEngine(EngineContext):
         raise RolloutServerError(f"no rollout server answered {self.url}/ready within {timeout_s:g} s "
                                  f"(vllm_server_timeout; last: {last}){where}")
 
+    def _choose_channel(self, forced: str | None) -> str:
+        """The channel of every push (module docstring): shared memory when the server sees this process's /dev/shm,
+        else the weight group when the server offers one, else HTTP, with one logged line saying why."""
+        if forced in (None, "shared_memory"):
+            self.shared_dir = self._shared_memory()
+            if self.shared_dir is not None:
+                return "shared_memory"
+            if forced:
+                raise RolloutServerError(f"the rollout server at {self.url} does not see this process's /dev/shm")
+        if forced in (None, "group"):
+            why = self._no_group()
+            if why is None:
+                return "group"
+            if forced:
+                raise RolloutServerError(f"no weight group with the rollout server at {self.url}: {why}")
+            log.info("Weights go to the rollout server at %s over HTTP: %s.", self.url, why)
+        return "http"
+
+    def _no_group(self) -> str | None:
+        """Why this engine cannot push over a weight group, or None when it can."""
+        offer = self.info.get("weight_group")
+        if not self.group_port:
+            return "vllm_group_port is 0"
+        if offer is None:
+            return "the server offers no weight group (data_parallel_size > 1, or an alignflow before weight groups)"
+        if offer["backend"] == "nccl" and not torch.cuda.is_available():
+            return "the server's workers are on GPUs (NCCL) and this process sees no CUDA device"
+        return None
+
     def _shared_memory(self) -> Path | None:
         """A push folder in /dev/shm when the server can read what this process writes there (same node, same
         /dev/shm), else None (chunks go over HTTP): a file with a random token, which the server must read back."""
@@ -255,6 +323,7 @@ class VLLMServerEngine(EngineContext):
 
     def close(self) -> None:
         self._closed = True
+        self._leave_group()
         if self.shared_dir is not None:
             shutil.rmtree(self.shared_dir, ignore_errors=True)
         if self.server is not None:
@@ -287,8 +356,10 @@ class VLLMServerEngine(EngineContext):
     # -- weights -------------------------------------------------------------------------------
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Stream the whole state dict (HF names) in chunks, then commit; `last_push` records bytes, seconds and
-        the channel (`shared_memory` or `http`)."""
+        """Send the whole state dict (HF names) over `self.channel`; `last_push` records bytes, chunks (over the
+        group: tensors), seconds, the server's load seconds and the channel."""
+        if self.channel == "group":
+            return self._push_over_group(named_tensors, version)
         dtype = getattr(torch, self.info["dtype"])
         start, sent, chunks = time.perf_counter(), 0, 0
         chunk: dict[str, torch.Tensor] = {}
@@ -305,13 +376,13 @@ class VLLMServerEngine(EngineContext):
         result = self._post("/weights/commit", {} if version is None else {"version": version})
         self.last_push = {"bytes": sent, "chunks": chunks, "seconds": time.perf_counter() - start,
                           "server_load_seconds": result.get("seconds", 0.0),
-                          "channel": "http" if self.shared_dir is None else "shared_memory"}
+                          "channel": self.channel}
 
     def _send_chunk(self, chunk: dict[str, torch.Tensor], index: int) -> int:
         """One chunk: a file in the shared push folder that the server moves in, or a safetensors blob over HTTP."""
         from safetensors.torch import save, save_file
 
-        if self.shared_dir is None:
+        if self.channel == "http":
             blob = save(chunk)
             self._post("/weights/chunk", blob)
             return len(blob)
@@ -323,6 +394,79 @@ class VLLMServerEngine(EngineContext):
         finally:
             path.unlink(missing_ok=True)  # moved by the server, or left behind by a failure
         return size
+
+    def _push_over_group(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
+        """One update over the weight group: POST /weights/group/update in a thread (it answers once the workers'
+        reload is done), broadcast each tensor as the iterator yields it, end the stream, read the answer."""
+        dtype = getattr(torch, self.info["dtype"])
+        start, sent, count = time.perf_counter(), 0, 0
+        if self.group is None:
+            self.group = self._join_group()
+        pool = ThreadPoolExecutor(max_workers=1)
+        answer = pool.submit(self._post, "/weights/group/update", {} if version is None else {"version": version})
+        try:
+            for name, tensor in named_tensors:
+                if answer.done():  # the server gave up (its error is raised below)
+                    break
+                sent, count = sent + self.group.send(name, tensor.detach().to(dtype)), count + 1
+            else:
+                self.group.end()
+        except Exception as err:  # the group is broken: the next push forms a new one
+            pool.shutdown(wait=False)  # the server's side fails within the group's timeout
+            self._leave_group()
+            if answer.done() and answer.exception() is not None:
+                raise answer.exception() from err
+            raise RolloutServerError(f"the weight push over the group with the rollout server at {self.url} failed "
+                                     f"({str(err).strip().splitlines()[0]}); the next push forms a new group"
+                                     f"{self._log_hint()}") from err
+        try:
+            result = answer.result()
+        except RolloutServerError:
+            self._leave_group()
+            raise
+        finally:
+            pool.shutdown()
+        self.last_push = {"bytes": sent, "chunks": count, "seconds": time.perf_counter() - start,
+                          "server_load_seconds": result.get("seconds", 0.0), "channel": "group"}
+
+    def _join_group(self) -> WeightGroup:
+        """Form the weight group: the server's workers (asked by POST /weights/group/init, in a thread: it answers
+        once this process has joined) and this process, the last rank, within `timeout_s`."""
+        offer, host, port = self.info["weight_group"], urllib.parse.urlsplit(self.url).hostname, self.group_port
+        deadline = time.monotonic() + self.timeout_s
+        pool = ThreadPoolExecutor(max_workers=1)
+        group_id = uuid.uuid4().hex
+        answer = pool.submit(self._post, "/weights/group/init",
+                             {"port": port, "group_id": group_id, "timeout": self.timeout_s})
+        try:
+            _wait_for_port(host, port, deadline, answer)
+            store = open_store(host, port, serve=False, timeout_s=max(deadline - time.monotonic(), 1.0))
+            device = torch.device("cuda", torch.cuda.current_device()) if offer["backend"] == "nccl" else None
+            group = WeightGroup(store, group_id=group_id, rank=offer["workers"], world_size=offer["workers"] + 1,
+                                timeout_s=max(deadline - time.monotonic(), 1.0), backend=offer["backend"], peer=host,
+                                device=device)
+        except Exception as err:
+            pool.shutdown(wait=False)  # the server gives up on its side within the same timeout
+            if answer.done() and answer.exception() is not None:
+                raise answer.exception() from err
+            raise RolloutServerError(
+                f"could not form the weight group with the rollout server at {host}:{port} within {self.timeout_s:g} s "
+                f"(vllm_server_timeout; {str(err).strip().splitlines()[0]}): open TCP port {port} of {host} (and the "
+                "ports gloo/NCCL pick) to this trainer, set vllm_group_port to a port that is open, or set it to 0 "
+                f"to send weights over HTTP{self._log_hint()}") from err
+        try:
+            answer.result()
+        except BaseException:
+            group.close()
+            raise
+        finally:
+            pool.shutdown()
+        return group
+
+    def _leave_group(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
 
     # -- HTTP ----------------------------------------------------------------------------------
 

@@ -69,7 +69,12 @@ class RolloutConfig(TrainConfig):
     vllm_server_port: int | None = option(None, "Port of that server (8000 when only the host is given).")
     vllm_server_base_url: str | None = option(None, "URL of that server, e.g. http://rollout:8000 (instead of host "
                                                     "and port).")
-    vllm_server_timeout: float = option(240.0, "Seconds to wait for the rollout server to answer (TRL's default).")
+    vllm_server_timeout: float = option(240.0, "Seconds to wait for the rollout server to answer, and to form the "
+                                               "weight group with it (TRL's default).")
+    vllm_group_port: int = option(51216, "Port of the weight group on the rollout server's host (TRL's default): the "
+                                         "pushing rank joins a torch.distributed group with the server's workers "
+                                         "there and broadcasts the weights (gloo on CPU, NCCL on GPU), unless the "
+                                         "server shares this node's /dev/shm. 0: weights go over HTTP instead.")
     truncation_mode: Literal["keep_end", "keep_start", "drop"] = option(
         "keep_end", "Prompts longer than `max_prompt_length`: keep their end (left truncation, TRL's behaviour), "
                     "keep their start, or drop them. The count is logged.")
@@ -112,6 +117,8 @@ def check_server_options(config) -> None:
         raise ConfigError(f"`vllm_server_port` must be in 1..65535, got {config.vllm_server_port}.")
     if config.vllm_server_timeout <= 0:
         raise ConfigError(f"`vllm_server_timeout` must be > 0 seconds, got {config.vllm_server_timeout}.")
+    if not 0 <= config.vllm_group_port < 65536:
+        raise ConfigError(f"`vllm_group_port` must be in 1..65535 (0: weights over HTTP), got {config.vllm_group_port}.")
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ConfigError("`vllm_gpu_memory_utilization` is the share of the rollout GPU's memory vLLM may take: "
                           f"give a number in (0, 1], got {config.vllm_gpu_memory_utilization}.")
@@ -301,7 +308,7 @@ def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) ->
                            dtype="bfloat16" if run.accelerator.mixed_precision == "bf16" else config.dtype,
                            seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                            server_devices=config.vllm_server_devices, server_url=server,
-                           server_timeout_s=config.vllm_server_timeout,
+                           server_timeout_s=config.vllm_server_timeout, group_port=config.vllm_group_port,
                            synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
 
     if config.rollout_engine == "vllm-server" and url is None and run.world > 1:

@@ -211,6 +211,9 @@ ALLOWED = {
     "importance_sampling_cap": _LOSS, "importance_sampling_mode": _LOSS, "importance_sampling_min": _LOSS,
     "share_prompt": _ROLLOUT, "vllm_server_host": _SERVER,
     "vllm_server_port": _SERVER, "vllm_server_base_url": _SERVER, "vllm_server_timeout": _SERVER,
+    "vllm_group_port": ("how weights reach the rollout server: tests/unit/trainer/rollout/test_server_client.py and "
+                        "tests/e2e/test_rollout_server.py::"
+                        "test_sidecar_takes_weights_over_a_gloo_weight_group_and_a_restarted_trainer_forms_a_new_one"),
     "batch_size": _LOSS, "mini_batch_size": _LOSS, "ppo_epochs": _LOSS, "gamma": _LOSS, "lam": _LOSS,
     "cliprange": _LOSS, "cliprange_value": _LOSS, "vf_coef": _LOSS, "whiten_rewards": _LOSS, "init_kl_coef": _LOSS,
     "adap_kl_ctrl": _LOSS, "target_kl": _LOSS, "horizon": _LOSS, "missing_eos_penalty": _LOSS,
@@ -235,8 +238,7 @@ IGNORED_TRL_NAMES = {
                      "entropy_coef_max", "entropy_coef_min", "entropy_target", "sapo_temperature_neg",
                      "sapo_temperature_pos", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos"),
                     "a parameter of a feature that is itself rejected unless off (quantisation, other losses)"),
-    **dict.fromkeys(("vllm_group_port", "vllm_max_model_length"),
-                    "how weights reach the rollout server and its size: no effect on the update"),
+    "vllm_max_model_length": "the rollout server's size: no effect on the update",
 }
 
 

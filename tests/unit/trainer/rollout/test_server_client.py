@@ -1,11 +1,13 @@
 """The trainer's side of `alignflow rollout-server`, against a stand-in HTTP server (no vLLM, fast):
-the errors a user meets, how weights are streamed, and `distributed.full_weights` (module by module, LoRA merged).
+the errors a user meets, how weights are streamed (over HTTP, /dev/shm, or a real gloo weight group with the
+stand-in's worker thread), the choice of channel, and `distributed.full_weights` (module by module, LoRA merged).
 
 The real server is exercised in tests/e2e/test_rollout_server.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,6 +22,7 @@ from trainer.engine.launch import free_port
 from trainer.errors import ConfigError, RolloutServerError
 from trainer.rollout import SamplingConfig
 from trainer.rollout.server_client import VLLMServerEngine, server_url
+from trainer.rollout.weight_group import WeightGroup, open_store
 
 NAMES = ["model.embed_tokens.weight", "lm_head.weight"]
 
@@ -27,9 +30,13 @@ NAMES = ["model.embed_tokens.weight", "lm_head.weight"]
 class StandIn(ThreadingHTTPServer):
     """Answers /ready like the real server, one fixed completion per request, and records weight chunks."""
 
-    def __init__(self, max_model_len: int = 64, sees_shared_memory: bool = False):
-        self.info = {"model": "m", "max_model_len": max_model_len, "dtype": "float32", "weight_names": NAMES}
+    def __init__(self, max_model_len: int = 64, sees_shared_memory: bool = False, weight_group: dict | None = None):
+        self.info = {"model": "m", "max_model_len": max_model_len, "dtype": "float32", "weight_names": NAMES,
+                     "weight_group": weight_group}
         self.sees_shared_memory = sees_shared_memory  # as a server on another node (False) or this one (True)
+        self.joins_group = True  # False: answers /weights/group/init but starts no store (a closed port)
+        self.group: WeightGroup | None = None  # the stand-in's one worker, rank 0 (as vllm_ext.py's)
+        self.store = None
         self.files: list[str] = []
         self.chunks: list[dict[str, torch.Tensor]] = []
         self.commits = 0
@@ -80,6 +87,17 @@ class Handler(BaseHTTPRequestHandler):
             self.server.chunks.append(load_file(path))
             Path(path).unlink()  # the real server moves it into its staging folder
             return self._reply({"tensors": len(self.server.chunks[-1])})
+        if self.path == "/weights/group/init":
+            body = json.loads(body)
+            if self.server.joins_group:  # as vllm_ext.WeightSyncExtension.alignflow_group_init: blocks until joined
+                if self.server.store is None:  # kept for later groups, as the worker keeps it
+                    self.server.store = open_store("127.0.0.1", body["port"], serve=True, timeout_s=body["timeout"])
+                self.server.group = WeightGroup(self.server.store, group_id=body["group_id"], rank=0, world_size=2,
+                                                timeout_s=body["timeout"], backend="gloo", peer="127.0.0.1")
+            return self._reply({"world_size": 2})
+        if self.path == "/weights/group/update":
+            self.server.chunks.append(dict(self.server.group.receive()))
+            return self._reply({"seconds": 0.01})
         if self.path == "/weights/commit":
             self.server.commits += 1
             return self._reply({"seconds": 0.01})
@@ -163,6 +181,91 @@ def test_sync_weights_streams_chunks_then_commits_once(standin, same_node):
     assert folder is None or not folder.exists()
 
 
+GLOO = {"backend": "gloo", "workers": 1}
+
+
+def test_sync_weights_over_a_weight_group_broadcasts_each_tensor_and_a_new_engine_forms_a_new_group(standin):
+    """A server that offers a weight group and does not see this process's /dev/shm (another node): the first push
+    forms the group (this process is rank 1, the stand-in's worker rank 0 serves the store), each tensor is
+    broadcast with its name, dtype and shape; a second engine (a restarted trainer) forms a new group."""
+    standin.info["weight_group"] = GLOO
+    port = free_port()
+    engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=10, group_port=port)
+    assert engine.channel == "group" and engine.group is None  # formed at the first push, by the pushing rank only
+    tied = torch.randn(4, 8)
+    tensors = [("model.embed_tokens.weight", tied), ("lm_head.weight", tied), ("b", torch.arange(3.0)),
+               ("scalar", torch.tensor(2.5)), ("half", torch.ones(2, 3, dtype=torch.float16))]
+    groups = []
+    for _ in range(2):  # the second push reuses the group
+        engine.sync_weights(iter(tensors))
+        groups.append(engine.group)
+        got = standin.chunks[-1]
+        assert list(got) == [name for name, _ in tensors]
+        for name, tensor in tensors:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor.float())  # the server's dtype
+        assert engine.last_push["channel"] == "group" and engine.last_push["chunks"] == 5
+        assert engine.last_push["bytes"] == 4 * (32 + 32 + 3 + 1 + 6)
+    assert groups[0] is groups[1] is not None
+    first = standin.group
+    restarted = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=10, group_port=port)
+    restarted.sync_weights(iter(tensors[:1]))
+    assert standin.group is not first and list(standin.chunks[-1]) == [tensors[0][0]]
+    first.close()
+    engine.close()
+    restarted.close()
+    assert engine.group is None and restarted.group is None
+
+
+@pytest.mark.parametrize(("offer", "group_port", "sees_shared_memory", "channel", "why"), [
+    (GLOO, 51216, True, "shared_memory", None),
+    (GLOO, 51216, False, "group", None),
+    (None, 51216, False, "http", "offers no weight group"),
+    (GLOO, 0, False, "http", "vllm_group_port is 0"),
+    ({"backend": "nccl", "workers": 2}, 51216, False, "http", "sees no CUDA device"),
+], ids=["shared-memory", "group", "no-offer", "port-0", "nccl-without-cuda"])
+def test_the_channel_is_shared_memory_then_the_weight_group_then_http_with_one_line_saying_why(
+        standin, caplog, offer, group_port, sees_shared_memory, channel, why):
+    if offer and offer["backend"] == "nccl" and torch.cuda.is_available():
+        pytest.skip("this process has a CUDA device")
+    standin.info["weight_group"], standin.sees_shared_memory = offer, sees_shared_memory
+    with caplog.at_level(logging.INFO, logger="trainer.rollout.server_client"):
+        engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5, group_port=group_port)
+    assert engine.channel == channel
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.rollout.server_client"]
+    assert len(lines) == (0 if why is None else 1)
+    assert why is None or (lines[0].startswith(f"Weights go to the rollout server at {standin.url} over HTTP: ")
+                           and why in lines[0])
+    engine.close()
+
+
+def test_a_forced_channel_that_is_not_available_is_an_error(standin):
+    with pytest.raises(RolloutServerError, match="no weight group .*offers no weight group"):
+        VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5, channel="group")
+    with pytest.raises(RolloutServerError, match="does not see this process's /dev/shm"):
+        VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5, channel="shared_memory")
+    with pytest.raises(ValueError, match="choose one of shared_memory, group, http"):
+        VLLMServerEngine(standin.url, max_model_len=64, timeout_s=5, channel="nccl")
+
+
+def test_a_weight_group_that_cannot_form_is_one_line_naming_the_port_within_the_timeout(standin):
+    """The server answers /weights/group/init but nothing listens at the group port (a firewall, a port taken): the
+    first push fails within vllm_server_timeout, naming host:port and the options that fix it."""
+    standin.info["weight_group"], standin.joins_group = GLOO, False
+    port = free_port()
+    engine = VLLMServerEngine(standin.url, max_model_len=64, timeout_s=1.5, group_port=port)
+    started = time.monotonic()
+    with pytest.raises(RolloutServerError) as info:
+        engine.sync_weights(iter([("b", torch.ones(3))]))
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert 1.5 <= elapsed < 6, elapsed
+    assert "\n" not in message
+    assert f"127.0.0.1:{port} within 1.5 s" in message
+    assert "vllm_server_timeout" in message and "vllm_group_port" in message and f"open TCP port {port}" in message
+    assert engine.group is None and not standin.chunks
+    engine.close()
+
+
 def test_server_options_need_the_server_engine_and_one_address(tmp_path):
     from tests.helpers import grpo_config
 
@@ -172,6 +275,8 @@ def test_server_options_need_the_server_engine_and_one_address(tmp_path):
         grpo_config("m", tmp_path, rollout_engine="vllm-server", vllm_server_port=9, vllm_server_base_url="http://h:9")
     with pytest.raises(ConfigError, match="vllm_server_timeout"):
         grpo_config("m", tmp_path, rollout_engine="vllm-server", vllm_server_timeout=0)
+    with pytest.raises(ConfigError, match="vllm_group_port"):
+        grpo_config("m", tmp_path, rollout_engine="vllm-server", vllm_group_port=70000)
 
 
 # -- distributed.full_weights ---------------------------------------------------------------------
