@@ -34,14 +34,17 @@ STORE_PREFIX = "alignflow-weights"
 
 def local_address(peer: str) -> str:
     """This host's address on the route to `peer`: the interface gloo must listen on for `peer` to reach it
-    (a name that resolves to a loopback address would not do across hosts). No packet is sent."""
-    try:
-        family, kind, _, _, address = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return peer
+    (a name that resolves to a loopback address would not do across hosts). IPv4 first, as both sides must use the
+    same family ("localhost" may resolve to ::1 first). No packet is sent."""
+    for family in (socket.AF_INET, socket.AF_UNSPEC):
+        try:
+            family, kind, _, _, address = socket.getaddrinfo(peer, 9, family=family, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, kind) as probe:
+                probe.connect(address)
+                return probe.getsockname()[0]
+        except OSError:
+            continue
+    return peer
 
 
 def open_store(host: str, port: int, *, serve: bool, timeout_s: float):
@@ -113,9 +116,9 @@ class WeightGroup:
     def close(self) -> None:
         """Leave the group: its connections close; the peers' next broadcast in it fails."""
         group, self.group = getattr(self, "group", None), None
-        if group is not None and self.backend == "nccl":
+        if group is not None and self.backend == "nccl":  # untested; abort: the peer may be gone mid-collective
             try:
-                group.shutdown()
+                group.abort()
             except RuntimeError:
                 pass
 
