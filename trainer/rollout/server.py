@@ -265,7 +265,7 @@ def weight_router(stage: WeightStage, info: dict):
                 size = await engine.collective_rpc("alignflow_group_init", kwargs=kwargs)
             except Exception as err:
                 raise HTTPException(504, f"the weight group on port {port} with {peer} did not form: "
-                                         f"{_first_line(err)}") from err
+                                         f"{first_line(err)}") from err
         log.info("Weight group formed with %s (store on port %d, %s, %d ranks).", peer, port,
                  info["weight_group"]["backend"], size[0])
         return {"world_size": size[0], "port": port}
@@ -282,9 +282,9 @@ def weight_router(stage: WeightStage, info: dict):
                 await engine.reset_prefix_cache()
             except Exception as err:
                 raise HTTPException(500, f"the weight update over the group failed (the group is dropped; "
-                                         f"POST /weights/group/init again): {_first_line(err)}") from err
+                                         f"POST /weights/group/init again): {first_line(err)}") from err
             finally:
-                stage.updating = False
+                stage.updating = stage.dir is not None  # chunks staged by another channel are still pending
             missing = sorted(stage.expected - set(received["names"]))
             if missing:
                 raise HTTPException(400, f"a weight update needs every weight of the model; {len(missing)} of "
@@ -300,7 +300,8 @@ def weight_router(stage: WeightStage, info: dict):
     return router
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (torch's distributed errors append C++ stack traces), or its type."""
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
 

@@ -58,7 +58,7 @@ from trainer.rollout.base import (
     samples_per_request,
     truncate_at_stop,
 )
-from trainer.rollout.server import SERVED_NAME, SHARED_PREFIX, SHARED_ROOT
+from trainer.rollout.server import SERVED_NAME, SHARED_PREFIX, SHARED_ROOT, first_line
 from trainer.rollout.vllm_engine import sampling_fields
 from trainer.rollout.weight_group import DEFAULT_PORT, WeightGroup, open_store
 
@@ -417,7 +417,7 @@ class VLLMServerEngine(EngineContext):
             if answer.done() and answer.exception() is not None:
                 raise answer.exception() from err
             raise RolloutServerError(f"the weight push over the group with the rollout server at {self.url} failed "
-                                     f"({str(err).strip().splitlines()[0]}); the next push forms a new group"
+                                     f"({first_line(err)}); the next push forms a new group"
                                      f"{self._log_hint()}") from err
         try:
             result = answer.result()
@@ -451,7 +451,7 @@ class VLLMServerEngine(EngineContext):
                 raise answer.exception() from err
             raise RolloutServerError(
                 f"could not form the weight group with the rollout server at {host}:{port} within {self.timeout_s:g} s "
-                f"(vllm_server_timeout; {str(err).strip().splitlines()[0]}): open TCP port {port} of {host} (and the "
+                f"(vllm_server_timeout; {first_line(err)}): open TCP port {port} of {host} (and the "
                 "ports gloo/NCCL pick) to this trainer, set vllm_group_port to a port that is open, or set it to 0 "
                 f"to send weights over HTTP{self._log_hint()}") from err
         try:
@@ -461,6 +461,9 @@ class VLLMServerEngine(EngineContext):
             raise
         finally:
             pool.shutdown()
+        log.info("Weights go to the rollout server at %s over a %s weight group (store %s:%d, %d ranks), formed in "
+                 "%.1f s.", self.url, offer["backend"], host, port, offer["workers"] + 1,
+                 self.timeout_s - (deadline - time.monotonic()))
         return group
 
     def _leave_group(self) -> None:
