@@ -189,8 +189,10 @@ def bench_env(threads: int = 2, **extra: str) -> dict[str, str]:
 
 
 def child_env(threads: int, vllm: bool = False, **extra: str) -> dict[str, str]:
-    """`bench_env` for a training child: this checkout on PYTHONPATH, no MLflow server."""
-    env = bench_env(threads, PYTHONPATH=str(REPO), **extra)
+    """`bench_env` for a training child: this checkout first on PYTHONPATH (then the caller's, e.g. a TRL
+    installed with `pip install --target`), no MLflow server."""
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = bench_env(threads, PYTHONPATH=path, **extra)
     if vllm:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM-CPU reserves a large share of RAM
     env.pop("MLFLOW_TRACKING_URI", None)

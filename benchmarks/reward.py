@@ -19,7 +19,7 @@ reply as one text, `max_length` keeping the end) and hands TRL the `chosen_ids`/
 (TRL's text path would append an eos token BERT's tokenizer does not have, and drops long pairs
 instead of truncating them). Same batch size, learning rate, linear schedule with the same warmup
 steps, optimizer steps, seed, dropout off (both defaults), no gradient checkpointing, 2 torch
-threads; both evaluate the held-out pairs once at the end (TRL: `trainer.stages.evaluate`) and save
+threads; both evaluate the held-out pairs once at the end (TRL: `Trainer.evaluate`) and save
 the model. Only alignflow's checkpoint goes through the scorer. Runs alternate between the
 trainers; the tables show medians over `--repeats`.
 
@@ -160,7 +160,7 @@ def child_trl(spec: dict, started: float) -> dict:
     trainer.train()
     train_end = common.clock()
     rss_after_train = common.self_peak_rss_mb()
-    final_eval = trainer.stages.evaluate(test)
+    final_eval = trainer.evaluate(test)
     save_start = common.clock()
     trainer.save_model(spec["out_dir"])
     done = common.clock()
