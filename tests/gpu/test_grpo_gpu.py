@@ -40,6 +40,15 @@ def test_colocated_vllm_engine_learns_toy_task(tiny_model, tmp_path):
     assert "sampling/importance_sampling_ratio/mean" in last and last["timing/sync"] > 0
 
 
+def test_colocated_vllm_sleeps_during_the_update_and_still_learns(tiny_model, tmp_path):
+    """`vllm_enable_sleep_mode`: vLLM frees its GPU memory after each rollout (level 2) and wakes for the weight
+    push and the next rollout; the run learns the toy task as without it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'alignflow[gpu]'")
+    run_grpo(grpo_config(tiny_model, tmp_path, rollout_engine="vllm", vllm_gpu_memory_utilization=0.3,
+                         vllm_enable_sleep_mode=True, max_steps=60, learning_rate=2e-2))
+    _closes_half_the_gap(rewards_of(tmp_path / "out"))
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_through_accelerate_launch(tiny_model, tmp_path, stage):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'alignflow[gpu]'")

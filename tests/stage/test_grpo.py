@@ -17,7 +17,7 @@ from trainer.engine import checkpoint as ckpt
 from trainer.engine import distributed
 from trainer.engine.completions import build_batch, token_logps
 from trainer.engine.models import load_causal_lm
-from trainer.errors import ModelError, RewardError
+from trainer.errors import ConfigError, ModelError, RewardError
 from trainer.rollout.base import Completion
 from trainer.stages.rl.grpo import run_grpo
 
@@ -220,6 +220,23 @@ def test_grpo_rewards_with_a_sentiment_label_and_rejects_a_bad_one_before_traini
         run_grpo(grpo_config(tiny_model, tmp_path, reward_funcs=[sentiment_checkpoint], reward_label="positive",
                              output_dir=str(bad)))
     assert not ckpt.read_history(str(bad)) and not ckpt.is_complete(str(bad))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusal")
+def test_sleep_mode_is_refused_on_the_cpu_before_the_model_loads(tiny_model, tmp_path, monkeypatch):
+    """`vllm_enable_sleep_mode` with in-process vLLM on the CPU: one line naming the option and why, before any model
+    loads (the loader is replaced by one that fails), nothing written."""
+    from trainer.stages.rl import grpo
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(grpo, "load_causal_lm", no_model)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"`vllm_enable_sleep_mode` needs a GPU: vLLM on the CPU") as err:
+        run_grpo(grpo_config(tiny_model, tmp_path, rollout_engine="vllm", vllm_enable_sleep_mode=True))
+    assert "\n" not in str(err.value)
+    assert not ckpt.read_history(str(out)) and not ckpt.is_complete(str(out))
 
 
 def test_grpo_rloo_estimator_trains(tiny_model, tmp_path):

@@ -201,9 +201,6 @@ KNOWN: dict[str, Known] = {
     "use_transformers_continuous_batching": unset("not supported: the hf engine uses plain `generate`"),
     "transformers_continuous_batching_config": unset("not supported"),
     "vllm_model_impl": only(("vllm",), "vLLM's own model implementation is used"),
-    "vllm_enable_sleep_mode": unset("sleep mode is not implemented: the colocated vLLM engine keeps its weights and "
-                                    "KV cache in GPU memory during the update (on the CPU vLLM cannot sleep at all); "
-                                    "lower `vllm_gpu_memory_utilization`, or use rollout_engine vllm-server"),
     "vllm_structured_outputs_regex": unset("structured outputs are not supported"),
     "vllm_max_model_length": any_value("set by alignflow from the stage's prompt and completion lengths"),
     "vllm_tensor_parallel_size": only((1,), "tensor parallelism of vLLM is not supported"),

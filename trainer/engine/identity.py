@@ -40,6 +40,7 @@ NOT_IDENTITY = frozenset({
     "precompute_ref_batch_size", "vllm_gpu_memory_utilization", "vllm_server_devices",
     "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",  # where rollouts run
     "vllm_group_port",  # how weights reach the rollout server
+    "vllm_enable_sleep_mode",  # where vLLM's memory is during the update
     "dataset_test_split", "per_device_eval_batch_size",  # what is evaluated, and in which batches
     "use_cpu", "ddp_timeout", "ddp_find_unused_parameters",  # the devices and how long ranks wait for each other
 })

@@ -91,11 +91,8 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free the engine's memory between rollouts (a no-op where unsupported, e.g. on CPU)."""
-        ...
-
-    def wake(self) -> None:
-        """Undo sleep()."""
+        """Free the engine's device memory for the update, after a rollout (a no-op where it has nothing to free).
+        The engine wakes by itself: the next sync_weights() and generate() bring back what they need."""
         ...
 
     def close(self) -> None:

@@ -125,9 +125,6 @@ class HFEngine(EngineContext):
     def sleep(self) -> None:
         pass
 
-    def wake(self) -> None:
-        pass
-
     def close(self) -> None:
         pass
 

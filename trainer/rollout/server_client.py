@@ -332,9 +332,6 @@ class VLLMServerEngine(EngineContext):
     def sleep(self) -> None:
         """Nothing: the server owns its devices, freeing them would not help the trainer."""
 
-    def wake(self) -> None:
-        pass
-
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:

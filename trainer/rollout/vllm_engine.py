@@ -122,7 +122,7 @@ class VLLMEngine(EngineContext):
     """vLLM's `LLM` in the training process, sharing its device (CPU or GPU)."""
 
     def __init__(self, model_path: str, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
-                 gpu_memory_utilization: float = 0.3):
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
         # The engine core must run in this process (no background process, "uni" executor), so
         # weight pushes and sampling stay in this process and its RNG; vLLM reads this at start.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -144,7 +144,7 @@ class VLLMEngine(EngineContext):
                 enforce_eager=True,  # no CUDA graphs / torch.compile: start in seconds, weights swap in place
                 distributed_executor_backend="uni", logprobs_mode=LOGPROBS_MODE,
                 generation_config="vllm",  # sampling defaults come from SamplingConfig only
-                enable_sleep_mode=cuda,
+                enable_sleep_mode=sleep_mode,
             )
         finally:
             torch.set_num_threads = set_num_threads  # undo vLLM-CPU's no-op patch
@@ -152,6 +152,9 @@ class VLLMEngine(EngineContext):
             _set_global_rng_states(rng_states)
         self.start_seconds = time.perf_counter() - start
         self._cuda = cuda
+        self._sleep_mode = sleep_mode
+        self._asleep = False  # weights and KV cache discarded by sleep()
+        self._weights_back = False  # ... and the weights since woken and reloaded by sync_weights()
         self._rng = PrivateRNG(seed, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         self._closed = False
 
@@ -160,6 +163,7 @@ class VLLMEngine(EngineContext):
         from vllm.inputs import TokensPrompt
 
         check_prompts(prompts, sampling.max_new_tokens, self.max_model_len)
+        self._wake_up()
         fields = sampling_fields(sampling)
         params = [SamplingParams(n=samples_per_request(sampling), seed=request_seed(sampling, i, self._cuda), detokenize=False,
                                  **fields) for i in range(len(prompts))]
@@ -183,19 +187,31 @@ class VLLMEngine(EngineContext):
         dtype = self.llm.llm_engine.model_config.dtype  # e.g. bf16 rollouts of a float32 (mixed precision) model
         weights = [(name, tensor.detach().to(dtype)) for name, tensor in named_tensors]
         check_complete((name for name, _ in weights), self._weight_names)
+        if self._asleep and not self._weights_back:
+            self.llm.wake_up(tags=["weights"])  # the weights' memory only: the KV cache stays free until generate()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not self.llm.reset_prefix_cache():
+        self._weights_back = True
+        if not self._asleep and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
     def sleep(self) -> None:
-        """GPU: offload weights to CPU and drop the KV cache until wake(). CPU: nothing to free."""
-        if self._cuda:
-            self.llm.sleep(level=1)
+        """With `sleep_mode` (TRL's `vllm_enable_sleep_mode`, GPUs only): free vLLM's GPU memory for the update,
+        weights and KV cache (vLLM's sleep level 2, which discards the weights: the next sync_weights() loads
+        new ones anyway). sync_weights() then wakes the weights' memory and loads them, and generate() the rest.
+        Without it, nothing."""
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep, self._weights_back = True, False
 
-    def wake(self) -> None:
-        if self._cuda:
-            self.llm.wake_up()
-            self.llm.reset_prefix_cache()
+    def _wake_up(self) -> None:
+        if not self._asleep:
+            return
+        if not self._weights_back:
+            raise RuntimeError("the vLLM engine slept (vllm_enable_sleep_mode), which discards its weights, and no "
+                               "weights were pushed since: call sync_weights() before generate()")
+        self.llm.wake_up()  # the KV cache and the scheduler
+        self._asleep = False
+        self.llm.reset_prefix_cache()  # nothing cached survives a sleep; in case the cache's index did
 
     def close(self) -> None:
         if self._closed:

@@ -336,6 +336,7 @@ def run_grpo(config: GRPOConfig) -> str:
             while run.state.global_step < steps:
                 cycle, started = run.state.global_step // config.num_iterations, time.perf_counter()
                 traj = rollout(run, engine, data, rewards, tokenizer, sampling, cycle, ref_model)
+                engine.sleep()  # vllm_enable_sleep_mode: vLLM's GPU memory to the update
                 t = time.perf_counter()
                 update_stats = update(run, traj)
                 traj.timings["timing/update"], t = time.perf_counter() - t, time.perf_counter()

@@ -452,6 +452,7 @@ def run_ppo(config: PPOConfig) -> str:
             while run.state.global_step < steps:
                 cycle, started = run.state.global_step // per, time.perf_counter()
                 traj = rollout(run, engine, data, rewards, tokenizer, sampling, cycle, ref_model, kl_ctl.value)
+                engine.sleep()  # vllm_enable_sleep_mode: vLLM's GPU memory to the update
                 t = time.perf_counter()
                 update_stats = update(run, traj, cycle)
                 traj.timings["timing/update"], t = time.perf_counter() - t, time.perf_counter()

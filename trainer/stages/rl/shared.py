@@ -75,6 +75,9 @@ class RolloutConfig(TrainConfig):
                                          "pushing rank joins a torch.distributed group with the server's workers "
                                          "there and broadcasts the weights (gloo on CPU, NCCL on GPU), unless the "
                                          "server shares this node's /dev/shm. 0: weights go over HTTP instead.")
+    vllm_enable_sleep_mode: bool = option(False, "rollout_engine vllm on a GPU: free vLLM's GPU memory (weights and KV "
+                                                 "cache) after each rollout, for the update; the weight push and the "
+                                                 "next rollout wake it (TRL's name). Slower steps, more room.")
     truncation_mode: Literal["keep_end", "keep_start", "drop"] = option(
         "keep_end", "Prompts longer than `max_prompt_length`: keep their end (left truncation, TRL's behaviour), "
                     "keep their start, or drop them. The count is logged.")
@@ -119,6 +122,10 @@ def check_server_options(config) -> None:
         raise ConfigError(f"`vllm_server_timeout` must be > 0 seconds, got {config.vllm_server_timeout}.")
     if not 0 <= config.vllm_group_port < 65536:
         raise ConfigError(f"`vllm_group_port` must be in 1..65535 (0: weights over HTTP), got {config.vllm_group_port}.")
+    if config.vllm_enable_sleep_mode and config.rollout_engine != "vllm":
+        raise ConfigError(f"`vllm_enable_sleep_mode` frees the memory of vLLM inside the training process, but "
+                          f"rollout_engine is {config.rollout_engine}: set rollout_engine vllm (TRL: vllm_mode "
+                          "colocate), or remove it (a rollout server keeps its own GPUs).")
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ConfigError("`vllm_gpu_memory_utilization` is the share of the rollout GPU's memory vLLM may take: "
                           f"give a number in (0, 1], got {config.vllm_gpu_memory_utilization}.")
@@ -261,6 +268,9 @@ def load_rl_inputs(run: StageRunner, tokenizer) -> tuple[PromptSet, PromptSet | 
     rewards = RewardSet(funcs, reward_names(funcs),
                         torch.tensor(config.reward_weights or [1.0] * len(funcs)))
     check_ranks(config, run.world, len(data.token_ids))
+    if config.vllm_enable_sleep_mode and run.device.type != "cuda":
+        raise ConfigError("`vllm_enable_sleep_mode` needs a GPU: vLLM on the CPU keeps its weights and KV cache in "
+                          "host memory and cannot sleep. Remove it (or set it false).")
     return data, eval_data, rewards
 
 
@@ -309,7 +319,8 @@ def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) ->
                            seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                            server_devices=config.vllm_server_devices, server_url=server,
                            server_timeout_s=config.vllm_server_timeout, group_port=config.vllm_group_port,
-                           synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3)
+                           synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3,
+                           sleep_mode=config.vllm_enable_sleep_mode)
 
     if config.rollout_engine == "vllm-server" and url is None and run.world > 1:
         # Rank 0 of each node starts it and waits until it answers; the node's other ranks then connect to it

@@ -1,7 +1,7 @@
 """Every option does what it says, or is rejected: the run-time options TRL users bring (`use_cpu`, `ddp_timeout`,
 `ddp_find_unused_parameters`, `per_device_eval_batch_size`, `dataset_test_split`), the ones rejected because
-alignflow cannot honour them (`padding_free` on padded stages, `vllm_enable_sleep_mode`), and the test that finds
-the next silent option (`test_no_option_is_silent`). Unit tier: no model loads, nothing trains."""
+alignflow cannot honour them (`padding_free` on padded stages, `vllm_enable_sleep_mode` without in-process vLLM), and
+the test that finds the next silent option (`test_no_option_is_silent`). Unit tier: no model loads, nothing trains."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def test_trl_eval_strategy_decides_whether_dataset_test_split_is_read(splits, tm
 
 @pytest.mark.parametrize("stage, values, words", [
     ("grpo", {"padding_free": True}, "this stage pads its batches"),
-    ("grpo", {"vllm_enable_sleep_mode": True}, "sleep mode is not implemented"),
+    ("grpo", {"vllm_enable_sleep_mode": True}, "set rollout_engine vllm"),  # the hf engine has nothing to free
 ])
 def test_options_alignflow_cannot_honour_are_rejected_in_one_line(stage, values, words, tmp_path):
     dataset = "demo:math" if stage in RL else "demo"
@@ -211,6 +211,10 @@ ALLOWED = {
     "importance_sampling_cap": _LOSS, "importance_sampling_mode": _LOSS, "importance_sampling_min": _LOSS,
     "share_prompt": _ROLLOUT, "vllm_server_host": _SERVER,
     "vllm_server_port": _SERVER, "vllm_server_base_url": _SERVER, "vllm_server_timeout": _SERVER,
+    "vllm_enable_sleep_mode": ("frees vLLM's GPU memory during the update (GPUs only; refused on the CPU): "
+                               "tests/unit/trainer/rollout/test_rollout.py::test_a_sleeping_vllm_engine_wakes_for_"
+                               "the_push_and_the_rollout, tests/stage/test_grpo.py::test_sleep_mode_is_refused_on_"
+                               "the_cpu_before_the_model_loads, tests/gpu/test_grpo_gpu.py"),
     "vllm_group_port": ("how weights reach the rollout server: tests/unit/trainer/rollout/test_server_client.py and "
                         "tests/e2e/test_rollout_server.py::"
                         "test_sidecar_takes_weights_over_a_gloo_weight_group_and_a_restarted_trainer_forms_a_new_one"),

@@ -181,9 +181,62 @@ def test_hf_engine_is_a_context_manager_with_noop_lifecycle(policy, prompts):
     with HFEngine(model, tokenizer) as engine:
         engine.sync_weights(model.state_dict().items())
         engine.sleep()
-        engine.wake()
         assert len(engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2))[0]) == 1
     engine.close()  # idempotent
+
+
+def test_a_sleeping_vllm_engine_wakes_for_the_push_and_the_rollout(monkeypatch):
+    """With sleep mode, `sleep()` after a rollout frees vLLM's weights and KV cache (level 2); the push wakes the
+    weights' memory only and loads them, the next rollout the rest; a rollout with no push since is refused. Without
+    sleep mode, sleep() does nothing. A stand-in for vLLM's `LLM` (sleep mode needs a GPU)."""
+    pytest.importorskip("vllm")
+    from trainer.rollout import vllm_engine
+
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+
+        def sleep(self, level):
+            self.calls.append(("sleep", level))
+
+        def wake_up(self, tags=None):
+            self.calls.append(("wake_up", tags))
+
+        def collective_rpc(self, method, kwargs):
+            self.calls.append((method, [name for name, _ in kwargs["weights_iterator"]]))
+
+        def reset_prefix_cache(self):
+            self.calls.append(("reset_prefix_cache",))
+            return True
+
+        def generate(self, prompts, params, use_tqdm):
+            self.calls.append(("generate", len(prompts)))
+            return []
+
+    monkeypatch.setattr(vllm_engine, "check_complete", lambda names, expected: list(names))
+
+    def engine(sleep_mode: bool):
+        e = vllm_engine.VLLMEngine.__new__(vllm_engine.VLLMEngine)
+        e.llm, e.max_model_len, e._cuda, e._weight_names = FakeLLM(), 64, True, {"w"}
+        e.llm.llm_engine = type("E", (), {"model_config": type("C", (), {"dtype": torch.bfloat16})})()
+        e._rng = vllm_engine.PrivateRNG(0, torch.device("cpu"))
+        e._sleep_mode, e._asleep, e._weights_back = sleep_mode, False, False
+        return e
+
+    sleepy, sampling = engine(True), SamplingConfig(max_new_tokens=2, seed=None)
+    sleepy.generate([[1, 2]], sampling)
+    sleepy.sleep()
+    sleepy.sleep()  # already asleep: nothing more
+    with pytest.raises(RuntimeError, match="no weights were pushed since"):
+        sleepy.generate([[1, 2]], sampling)
+    sleepy.sync_weights([("w", torch.ones(2))])
+    sleepy.generate([[1, 2]], sampling)
+    assert sleepy.llm.calls == [("generate", 1), ("sleep", 2), ("wake_up", ["weights"]), ("reload_weights", ["w"]),
+                                ("wake_up", None), ("reset_prefix_cache",), ("generate", 1)]
+    awake = engine(False)
+    awake.sleep()
+    awake.sync_weights([("w", torch.ones(2))])
+    assert awake.llm.calls == [("reload_weights", ["w"]), ("reset_prefix_cache",)]
 
 
 def test_vllm_engines_know_which_weights_a_sync_needs(tiny_model, policy):
