@@ -713,19 +713,36 @@ def machine_peaks() -> dict[str, Any]:
             "load_average": list(os.getloadavg())}
 
 
-def matmul_parameters(model_dir: Path) -> dict[str, Any]:
-    """Parameter counts of a causal LM folder, built on the meta device (no weights read):
-    `params` (all, tied ones once) and `matmul_params` (weights of `nn.Linear` layers, the LM head
-    included: the ones every token multiplies; embedding lookups and norms are not)."""
+def matmul_parameters(model_dir: Path, auto_class: str = "AutoModelForCausalLM") -> dict[str, Any]:
+    """Parameter counts of a model folder loaded as transformers' `auto_class`, built on the meta device
+    (no weights read): `params` (all, tied ones once), `matmul_params` (weights of `nn.Linear` layers,
+    the LM head included: embedding lookups and norms are not matmuls), `body_params` (the linears
+    inside the stack of transformer blocks, which every token multiplies) and `head_params` (the
+    others: a causal LM's LM head; an encoder classifier's pooler and score head, once per sequence)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        model = getattr(transformers, auto_class).from_config(config)
+    blocks = {id(m) for stack in model.modules() if isinstance(stack, torch.nn.ModuleList)
+              for block in stack for m in block.modules()}
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linear = sum(m.weight.numel() for m in linears)
+    body = sum(m.weight.numel() for m in linears if id(m) in blocks)
     return {"params": sum(p.numel() for p in model.parameters()), "matmul_params": linear,
+            "body_params": body, "head_params": linear - body,
             "tied": bool(getattr(config, "tie_word_embeddings", False))}
+
+
+def linear_flops(counts: dict[str, Any], tokens: float, head_positions: float | None = None,
+                 per_param: float = 6.0) -> float:
+    """Matmul FLOPs of `tokens` through a model's linears: `per_param` x (body_params x tokens +
+    head_params x head_positions). 6 = forward and backward (2 + 4), 2 = forward only. `head_positions`:
+    where the head runs (target positions of a causal LM scored only there, one per sequence for an
+    encoder's pooler and score head); None = at every token."""
+    head = tokens if head_positions is None else head_positions
+    return per_param * (counts["body_params"] * tokens + counts["head_params"] * head)
 
 
 def best_peaks(*probes: dict[str, Any]) -> dict[str, Any]:
@@ -754,6 +771,51 @@ def floor_row(phase: str, seconds: float | None, work: float | None, unit: str, 
 
 
 FLOOR_HEADERS = ["phase", "s/step", "work (G)", "unit", "achieved (G/s)", "peak (G/s)", "% of peak"]
+FLOOR_FIELDS = ["phase", "s_per_step", "work_g", "unit", "achieved_g_per_s", "peak_g_per_s", "percent_of_peak"]
+
+
+def child_probe(spec: dict, started: float) -> dict:
+    """A probe child (`"probe": common.child_probe` in a benchmark's `child_main` table): `machine_peaks`
+    with the training children's threads and environment."""
+    return machine_peaks()
+
+
+def probe_peaks(script: str, work: Path, threads: int, timeout: float, vllm: bool = False, **extra: Any) -> dict:
+    """The machine's peaks from a probe child of `script` (trainer "probe"), run as `run_one` runs the
+    training children (same threads and environment); `extra` goes into its spec. A benchmark probes
+    before and after its runs and takes `best_peaks` of the two. Exits when the probe fails."""
+    result = run_one(script, {"trainer": "probe", "threads": threads, **extra}, work, threads, timeout, vllm=vllm)
+    if result is None:
+        sys.exit("The peak probe failed (output above).")
+    return result
+
+
+def matmul_peak_of(peaks: dict[str, Any], bf16: bool) -> float:
+    """The matmul peak a run is held against: bf16 with bf16 autocast, fp32 otherwise."""
+    return peaks["matmul_bf16" if bf16 else "matmul_fp32"]["peak"]
+
+
+def peaks_line(peaks: dict[str, Any], counts: dict[str, dict[str, Any]]) -> str:
+    """The line above a floor table: the measured peaks and each model's matmul parameters."""
+    return (f"Floor: measured peaks ({peaks['threads']} threads, load {peaks['load_average'][0]:.1f}): "
+            f"matmul bf16 {peaks['matmul_bf16']['peak'] / 1e9:.0f} GFLOP/s, fp32 "
+            f"{peaks['matmul_fp32']['peak'] / 1e9:.0f} GFLOP/s, copy {peaks['copy']['peak'] / 1e9:.1f} GB/s "
+            "(read + write); matmul params " + ", ".join(
+                f"{m}: {c['matmul_params'] / 1e6:.1f}M of {c['params'] / 1e6:.1f}M"
+                + (f" (head {c['head_params'] / 1e6:.1f}M)" if "head_params" in c else "")
+                for m, c in counts.items()))
+
+
+def floor_report(medians: Sequence[dict], keys: Sequence[tuple[str, str]],
+                 rows_of: Callable[[dict], list[list]]) -> tuple[str, list[dict]]:
+    """The floor table of every median run and its rows as dicts for the JSON: `keys` are (field, title)
+    of the columns that name a run, `rows_of(run)` gives its `floor_row`s."""
+    rows, records = [], []
+    for run in medians:
+        for row in rows_of(run):
+            rows.append([*(run.get(key) for key, _ in keys), *row])
+            records.append(dict(zip([*(key for key, _ in keys), *FLOOR_FIELDS], rows[-1])))
+    return format_table([*(title for _, title in keys), *FLOOR_HEADERS], rows), records
 
 
 def parse_overrides(items: Sequence[str], config_class: str) -> dict[str, Any]:

@@ -252,16 +252,6 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return out
 
 
-def probe_peaks(work: Path, threads: int, timeout: float, models: dict[str, Path], rows: list[int]) -> dict:
-    """Peaks from a probe child run with the training children's environment (decode GEMMs of
-    `models` at `rows` concurrent sequences)."""
-    spec = {"trainer": "probe", "threads": threads, "models": {m: str(p) for m, p in models.items()}, "rows": rows}
-    result = common.run_one(__file__, spec, work, threads, timeout, vllm=True)
-    if result is None:
-        sys.exit("The peak probe failed (output above).")
-    return result
-
-
 def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: dict) -> list[list]:
     """Achieved FLOP/s and bytes/s of each phase of one (median) run against the measured peaks.
 
@@ -275,7 +265,7 @@ def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: d
     fp32, write the engine's copy). Attention's own FLOPs (~5% at these lengths) are left out."""
     n = counts["matmul_params"]
     tokens = prompt_tokens + run["gen_tokens_per_step"]
-    matmul = peaks["matmul_bf16" if spec["bf16"] else "matmul_fp32"]["peak"]
+    matmul = common.matmul_peak_of(peaks, spec["bf16"])
     copy = peaks["copy"]["peak"]
     engine_bytes = 2 if spec["bf16"] and run["trainer"] == "alignflow-vllm" else 4
     gemm = peaks["decode_gemm"][run["model"]]["bfloat16" if engine_bytes == 2 else "float32"][str(spec["completions"])]
@@ -297,16 +287,12 @@ def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: d
 
 def floor_report(medians: list[dict], data_info: dict, counts: dict, spec: dict, peaks: dict) -> tuple[str, list]:
     """The floor table of every median run, and its rows as dicts for the JSON."""
-    rows, records = [], []
-    for run in medians:
-        prompt_tokens = sum(data_info[run["model"]]["prompt_tokens"])
+    def rows_of(run: dict) -> list[list]:
         case = {**spec, "new_tokens": run["new_tokens"], "completions": spec["prompts_per_step"] * run["generations"]}
-        for row in floor_rows(run, counts[run["model"]], prompt_tokens, case, peaks):
-            rows.append([run["model"], run["generations"], run["new_tokens"], run["trainer"], *row])
-            records.append(dict(zip(["model", "generations", "new_tokens", "trainer", "phase", "s_per_step",
-                                     "work_g", "unit", "achieved_g_per_s", "peak_g_per_s", "percent_of_peak"],
-                                    rows[-1])))
-    return common.format_table(["model", "G", "new tok", "trainer", *common.FLOOR_HEADERS], rows), records
+        return floor_rows(run, counts[run["model"]], sum(data_info[run["model"]]["prompt_tokens"]), case, peaks)
+
+    return common.floor_report(medians, [("model", "model"), ("generations", "G"), ("new_tokens", "new tok"),
+                                         ("trainer", "trainer")], rows_of)
 
 
 def prepare_data(source: Path, work: Path, model_dir: Path, prompts: int) -> tuple[Path, dict]:
@@ -385,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         paths = {model: common.model_path(model, work, args.smollm2_dir) for model in models}
         rows = sorted({args.prompts_per_step * g for g in groups})
-        probes = [probe_peaks(work, args.threads, args.timeout, paths, rows)]
+        probe = dict(vllm=True, models={m: str(p) for m, p in paths.items()}, rows=rows)
+        probes = [common.probe_peaks(__file__, work, args.threads, args.timeout, **probe)]
         for model, path in paths.items():
             data, data_info[model] = prepare_data(source, work, path, args.prompts_per_step)
             counts[model] = common.matmul_parameters(path)
@@ -408,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['s_per_step']:.2f} s/step (steps {[round(s, 2) for s in r['step_times']]}), "
                 + ", ".join(f"{p} {r[f'{p}_s']:.2f}" for p in PHASES)
                 + f"; {r['gen_tok_per_s']:.0f} gen tok/s, {r['wall_s']:.0f} s wall"))
-        probes.append(probe_peaks(work, args.threads, args.timeout, paths, rows))  # before and after: the best of both counts
+        probes.append(common.probe_peaks(__file__, work, args.threads, args.timeout, **probe))  # the best of both counts
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peaks = common.best_peaks(*probes)
@@ -429,11 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     print()
     print(ratios)
-    print(f"\nFloor: measured peaks ({peaks['threads']} threads, load {peaks['load_average'][0]:.1f}): "
-          f"matmul bf16 {peaks['matmul_bf16']['peak'] / 1e9:.0f} GFLOP/s, fp32 {peaks['matmul_fp32']['peak'] / 1e9:.0f} "
-          f"GFLOP/s, copy {peaks['copy']['peak'] / 1e9:.1f} GB/s (read + write); matmul params "
-          + ", ".join(f"{m}: {c['matmul_params'] / 1e6:.1f}M of {c['params'] / 1e6:.1f}M" for m, c in counts.items())
-          + "\n")
+    print("\n" + common.peaks_line(peaks, counts) + "\n")
     for model, by_dtype in peaks["decode_gemm"].items():
         print(f"Decode GEMMs of one {model} token step (every nn.Linear weight once): " + "; ".join(
             f"{dtype} at {n} sequences {r['seconds'] * 1e3:.1f} ms = {r['peak'] / 1e9:.1f} GB/s "
