@@ -30,6 +30,20 @@ Imports, data preparation (reading and tokenizing), model loading (policy and re
 saving are separate phases; "wall s" is the whole process, everything included. Pairs/s
 counts the pairs trained on in the timed steps; tokens/step (real, non-pad tokens of all 2B
 sequences) is a sanity check that both did the same work.
+
+Floor table (issue 28): two probe children (the training runs' threads and environment, one
+before and one after the runs; the faster counts, as in grpo.py) time torch.matmul of 2048 x 2048
+bf16 and fp32 matrices and a 512 MiB copy. Each median run's step is set against the matmul peak
+(bf16 with `--bf16`, fp32 otherwise). Useful FLOPs per step = policy forward + backward
+6 x (N_body x tokens + N_head x targets) + the reference's forward 2 x (N_body x tokens + N_head x
+targets) (every step here: no precomputed reference log-probs), with N_body = the nn.Linear weights
+of the transformer blocks and N_head = the LM head's (from the model's config;
+`common.matmul_parameters`), tokens = the real tokens of all 2B sequences, targets = their
+completion tokens (alignflow runs the head only there; TRL at every position, work this count
+leaves out; TRL rows take the targets of alignflow's run). Left out: attention's own FLOPs (QK^T
+and AV), padding (alignflow-padded and TRL compute it; it is not useful work), norms, activations,
+the softmax/loss and the optimizer. "step" divides by the mean s/step, "median step" by the median
+single step. The JSON adds `peaks`, `probes`, `parameters` and `floor`.
 """
 
 from __future__ import annotations
@@ -60,8 +74,8 @@ def child_alignflow(spec: dict, started: float) -> dict:
     from trainer.stages import dpo
 
     imported = common.clock()
-    probe = common.StageProbe(dpo, "load_causal_lm", lambda arguments, batch: {"pairs": batch.num_pairs,
-                                                                       "tokens": batch.num_tokens})
+    probe = common.StageProbe(dpo, "load_causal_lm", lambda arguments, batch: {
+        "pairs": batch.num_pairs, "tokens": batch.num_tokens, "targets": int(batch.completion_mask.sum())})
     config = dpo.DPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
         bf16=spec["bf16"], max_steps=spec["steps"], per_device_batch_size=spec["batch_size"],
@@ -188,6 +202,24 @@ def summarise(medians: list[dict]) -> str:
     return common.format_table(headers, rows)
 
 
+def floor_report(medians: list[dict], counts: dict, peaks: dict, bf16: bool) -> tuple[str, list]:
+    """Each median run's step (policy forward + backward and the reference's forward) against the
+    matmul peak; see the module docstring for the count."""
+    targets = {m["model"]: m["targets_per_step"] for m in medians if m.get("targets_per_step")}
+    peak = common.matmul_peak_of(peaks, bf16)
+
+    def rows_of(run: dict) -> list[list]:
+        head = run.get("targets_per_step") or targets.get(run["model"])
+        work = None
+        if head:
+            n, tokens = counts[run["model"]], run["tokens_per_step"]
+            work = common.linear_flops(n, tokens, head) + common.linear_flops(n, tokens, head, per_param=2.0)
+        return [common.floor_row("step", run["s_per_step"], work, "FLOP", peak),
+                common.floor_row("median step", run["step_median_s"], work, "FLOP", peak)]
+
+    return common.floor_report(medians, [("model", "model"), ("trainer", "trainer")], rows_of)
+
+
 def default_steps(model: str) -> int:
     return 20 if model == "tiny" else 4
 
@@ -205,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="Mixed precision in both trainers: `bf16=True` (bfloat16 autocast, float32 weights).")
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"trl": child_trl, "": child_alignflow})
+        return common.child_main(json.loads(args.child), {"trl": child_trl, "probe": common.child_probe,
+                                                          "": child_alignflow})
 
     models = common.parse_list(args.models, ("tiny", "smollm2"), "model")
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
@@ -213,11 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     source = common.data_path(args.data, HH)
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-dpo-"))
-    runs, data_info = [], {}
+    runs, data_info, counts = [], {}, {}
     started = common.clock()
     try:
+        probes = [common.probe_peaks(__file__, work, args.threads, args.timeout)]
         for model in models:
             path = common.model_path(model, work, args.smollm2_dir)
+            counts[model] = common.matmul_parameters(path)
             data, data_info[model] = prepare_data(source, work, path, args.num_pairs, args.max_length)
             steps = args.steps or default_steps(model)
             plan = [(f"{model} {trainer} #{repeat + 1}",
@@ -230,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             runs += common.run_trainers(__file__, plan, work, args.threads, args.timeout, show=lambda r: (
                 f"{r['pairs_per_s']:.2f} pairs/s, {r['s_per_step']:.3f} s/step, {r['peak_rss_mb']:.0f} MB, "
                 f"{r['tokens_per_step']:.0f} tok/step, loss {r['loss']}"))
+        probes.append(common.probe_peaks(__file__, work, args.threads, args.timeout))  # the best of both counts
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = common.median_rows(runs, ["model", "trainer"])
@@ -241,8 +277,13 @@ def main(argv: list[str] | None = None) -> None:
                 + f" (first {args.warmup_steps} untimed), medians of {args.repeats}")
     common.print_header("DPO", settings, started, load_before)
     print(summarise(medians))
+    peaks = common.best_peaks(*probes)
+    floor, floor_records = floor_report(medians, counts, peaks, args.bf16)
+    print("\n" + common.peaks_line(peaks, counts) + "\n")
+    print(floor)
     if args.json:
-        common.write_json(args.json, "dpo", args, runs, medians, data=data_info)
+        common.write_json(args.json, "dpo", args, runs, medians, data=data_info, peaks=peaks, probes=probes,
+                          parameters=counts, floor=floor_records)
 
 
 if __name__ == "__main__":

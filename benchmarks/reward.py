@@ -35,6 +35,18 @@ others, "median step s" their median, "CPU s/step" the process's CPU seconds per
 threads: on a shared machine it counts the work done rather than the time other processes held
 the cores); tokens are the real (non-pad) tokens of both texts of
 every pair.
+
+Floor table (issue 28): two probe children (the training runs' threads and environment, one
+before and one after the runs; the faster counts, as in grpo.py) time torch.matmul of 2048 x 2048
+bf16 and fp32 matrices and a 512 MiB copy. Each median run's training step is set against the
+matmul peak (bf16 with `--bf16`, fp32 otherwise): useful FLOPs = 6 x (N_body x tokens + N_head x
+texts), N_body = the nn.Linear weights of BERT's six encoder layers (10.6M; every token multiplies
+them), N_head = the pooler and score head (once per text), from the model's config
+(`common.matmul_parameters`), tokens = the real tokens of both texts of every pair. Left out:
+attention's own FLOPs (QK^T and AV: at 128 tokens and width 384 about 2 x 128 / (12 x 384) ~ 6% on
+top of the linears), the embeddings, norms, activations, padding (computed, not useful), the loss
+and the optimizer. "step" divides by the mean s/step, "median step" by the median single step.
+The JSON adds `peaks`, `probes`, `parameters` and `floor`.
 """
 
 from __future__ import annotations
@@ -242,6 +254,19 @@ def tables(medians: list[dict]) -> str:
     return "\n\n".join([table(QUALITY, False), table(SPEED, True), table(TIMING, True)])
 
 
+def floor_report(medians: list[dict], counts: dict, peaks: dict, bf16: bool) -> tuple[str, list]:
+    """Each median run's training step against the matmul peak (see the module docstring for the count)."""
+    peak = common.matmul_peak_of(peaks, bf16)
+    (n,) = counts.values()
+
+    def rows_of(run: dict) -> list[list]:
+        work = common.linear_flops(n, run["tokens_per_step"], 2 * run["pairs_per_step"])
+        return [common.floor_row("step", run["s_per_step"], work, "FLOP", peak),
+                common.floor_row("median step", run["step_median_s"], work, "FLOP", peak)]
+
+    return common.floor_report(medians, [("trainer", "trainer")], rows_of)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--model", type=Path, default=MINILM, help="Encoder folder (scripts/get_minilm.sh).")
@@ -272,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(seed=0, repeats=1)
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl})
+        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl,
+                                                          "probe": common.child_probe})
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
     common.require_trl(trainers)
     if not (args.model / "config.json").exists():
@@ -282,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-reward-"))
     started = common.clock()
+    counts = {args.model.name: common.matmul_parameters(args.model, "AutoModelForSequenceClassification")}
     try:
+        probes = [common.probe_peaks(__file__, work, args.threads, args.timeout)]
         train_path, test_path, num_train, test_rows = split_pairs(
             source, work, args.split_seed, args.train_fraction, args.view, args.train_pairs)
         plan = [(f"{trainer} #{repeat + 1}", {"trainer": trainer, "repeat": repeat},
@@ -299,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             f"accuracy {r['eval_accuracy']:.3f}"))
         if not runs:
             sys.exit("Every reward model run failed; the output is above.")
+        probes.append(common.probe_peaks(__file__, work, args.threads, args.timeout))  # the best of both counts
         shorter = shorter_reply_accuracy(test_rows)
         runs = [{**r, "shorter_reply_accuracy": shorter} for r in runs]
     finally:
@@ -313,8 +342,13 @@ def main(argv: list[str] | None = None) -> None:
                 + "".join(f", {item}" for item in args.set))
     common.print_header("Reward model", settings, started, load_before)
     print(tables(medians))
+    peaks = common.best_peaks(*probes)
+    floor, floor_records = floor_report(medians, counts, peaks, args.bf16)
+    print("\n" + common.peaks_line(peaks, counts) + "\n")
+    print(floor)
     if args.json:
-        common.write_json(args.json, "reward", args, runs, medians)
+        common.write_json(args.json, "reward", args, runs, medians, peaks=peaks, probes=probes, parameters=counts,
+                          floor=floor_records)
 
 
 if __name__ == "__main__":

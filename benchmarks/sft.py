@@ -19,6 +19,18 @@ work done rather than the time other processes held the cores).
 Imports, data preparation (tokenizing, packing), model loading and saving are separate phases.
 Tokens are counted the same way for both: the real (non-pad) input tokens of every micro-batch
 the model trains on.
+
+Floor table (issue 28): two probe children (the training runs' threads and environment, one
+before and one after the runs; the faster counts, as in grpo.py) time torch.matmul of 2048 x 2048
+bf16 and fp32 matrices and a 512 MiB copy. Each median run's step is set against the matmul peak
+(bf16 with `--bf16`, fp32 otherwise): useful FLOPs = 6 x (N_body x tokens + N_head x targets),
+N_body = the nn.Linear weights of the transformer blocks and N_head = the LM head's (from the
+model's config; `common.matmul_parameters`), tokens = the real tokens of the step, targets = its
+loss-target tokens (alignflow runs the head only there; TRL runs it at every position, which this
+count leaves out as work the step does not need; TRL rows take the targets of alignflow's run of
+the same case). Left out: attention's own FLOPs (QK^T and AV; a few % at 256 tokens), norms,
+activations, the softmax/loss and the optimizer. "step" divides by the mean s/step, "median step"
+by the median single step. The JSON adds `peaks`, `probes`, `parameters` and `floor`.
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ DEFAULT_STEPS = {"tiny": 30, "smollm2": 4}  # about 10 minutes for everything on
 def real_tokens(arguments: dict, batch) -> dict[str, int]:
     """The real input tokens of the examples `collate` puts in a batch (packed padding left out)."""
     data = arguments["data"]
-    return {"tokens": sum(len(data.input_ids[i]) for members in arguments["rows"] for i in members)}
+    return {"tokens": sum(len(data.input_ids[i]) for members in arguments["rows"] for i in members),
+            "targets": int(batch.target_mask.sum())}
 
 
 def child_alignflow(spec: dict, started: float) -> dict:
@@ -141,6 +154,21 @@ def summarise(medians: list[dict]) -> str:
     return common.format_table(headers, rows)
 
 
+def floor_report(medians: list[dict], counts: dict, peaks: dict, bf16: bool) -> tuple[str, list]:
+    """Each median run's step against the matmul peak (see the module docstring for the count)."""
+    targets = {(m["model"], m["packing"]): m["targets_per_step"] for m in medians if m.get("targets_per_step")}
+    peak = common.matmul_peak_of(peaks, bf16)
+
+    def rows_of(run: dict) -> list[list]:
+        head = run.get("targets_per_step") or targets.get((run["model"], run["packing"]))
+        work = common.linear_flops(counts[run["model"]], run["tokens_per_step"], head) if head else None
+        return [common.floor_row("step", run["s_per_step"], work, "FLOP", peak),
+                common.floor_row("median step", run["step_median_s"], work, "FLOP", peak)]
+
+    named = [{**m, "layout": "bfd" if m["packing"] else "no"} for m in medians]
+    return common.floor_report(named, [("model", "model"), ("layout", "packing"), ("trainer", "trainer")], rows_of)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = common.make_parser(__doc__)
     common.add_run_flags(parser, "gsm8k/train.jsonl", trainers=TRAINERS,
@@ -155,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="Mixed precision in both trainers: `bf16=True` (bfloat16 autocast, float32 weights).")
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl})
+        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl,
+                                                          "probe": common.child_probe})
 
     models = common.parse_list(args.models, list(DEFAULT_STEPS), "model")
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
@@ -165,11 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-sft-"))
     started = common.clock()
-    runs = []
+    runs, counts = [], {}
     try:
+        probes = [common.probe_peaks(__file__, work, args.threads, args.timeout)]
         data = prepare_data(source, work, args.num_examples)
         for model in models:
             path = common.model_path(model, work, args.smollm2_dir)
+            counts[model] = common.matmul_parameters(path)
             steps = args.steps or DEFAULT_STEPS[model]
             plan = []
             for packing in packings:
@@ -185,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             runs += common.run_trainers(__file__, plan, work, args.threads, args.timeout, show=lambda r: (
                 f"{r['tokens_per_s']:.0f} tok/s, {r['s_per_step']:.3f} s/step, peak {r['peak_rss_mb']:.0f} MB "
                 f"({r['rss_after_load_mb']:.0f} MB after load), loss {r['loss']:.4g}"))
+        probes.append(common.probe_peaks(__file__, work, args.threads, args.timeout))  # the best of both counts
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = common.median_rows(runs, ["model", "packing", "trainer"])
@@ -195,8 +227,13 @@ def main(argv: list[str] | None = None) -> None:
                 + f" (first {args.warmup_steps} untimed), medians of {args.repeats}")
     common.print_header("SFT", settings, started, load_before)
     print(summarise(medians))
+    peaks = common.best_peaks(*probes)
+    floor, floor_records = floor_report(medians, counts, peaks, args.bf16)
+    print("\n" + common.peaks_line(peaks, counts) + "\n")
+    print(floor)
     if args.json:
-        common.write_json(args.json, "sft", args, runs, medians)
+        common.write_json(args.json, "sft", args, runs, medians, peaks=peaks, probes=probes, parameters=counts,
+                          floor=floor_records)
 
 
 if __name__ == "__main__":
