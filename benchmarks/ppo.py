@@ -51,6 +51,22 @@ CPU s/step is the process's CPU time per step (all threads): steadier than wall 
 work shares the machine. Peak RSS is the child's whole life (models, optimizer, vLLM's KV cache).
 The result JSON adds `trl_env`, the package versions of the TRL venv (`environment.versions` is
 this Python's).
+
+Floor table (issue 28): two probe children (one before and one after the runs, with the threads and
+environment of the alignflow children; the faster counts, as in grpo.py) time torch.matmul of
+2048 x 2048 bf16 and fp32 matrices and a 512 MiB copy. Every run here is float32, so FLOPs are held
+against the fp32 matmul peak. Per phase of each median run, with N_body = the nn.Linear weights of
+the transformer blocks, N_head = the LM head's (`common.matmul_parameters`), tokens = the prompts
+(each once; GRPO: each prompt once per group, as grpo.py counts) + the generated tokens, targets =
+the generated tokens (the head runs only there): generate 2 x (N_body x tokens + N_head x targets)
+FLOPs and, as decode, all weights read once per token step (N x 4 bytes x new tokens; KV-cache
+reads left out) against the copy peak; score the reward model's forward, 2 x its linears x tokens;
+reference 2 x (N_body x tokens + N_head x targets) per forward-only pass: PPO two (the policy's
+log-probs and values in one pass, the reference's log-probs), GRPO one (beta > 0), TRL the
+reference's plus its critic's (the reward model's linears); update 6 x (N_body x tokens + N_head x
+targets) per PPO epoch (TRL adds its critic's 6 x linears x tokens); sync (vLLM) N x (4 + 4) bytes;
+the step all FLOPs. Left out: attention's own FLOPs, the value head (one row), left padding (the
+micro-batches compute it; not useful work), norms, sampling, GAE and the optimizer.
 """
 
 from __future__ import annotations
@@ -336,6 +352,30 @@ def summarise(medians: list[dict], models: list[str], trainers: list[str]) -> tu
     return common.format_table(headers, rows), ratio_table
 
 
+def floor_rows(run: dict, policy: dict, reward: dict, prompt_tokens: list[int], args, peaks: dict) -> list[list]:
+    """Achieved FLOP/s and bytes/s of each phase of one median run against the measured peaks
+    (the count is in the module docstring)."""
+    grpo, trl = "grpo" in run["trainer"], run["trainer"] == "trl-ppo"
+    gen = run["gen_tokens_per_step"]
+    tokens = sum(prompt_tokens[:args.batch_size // args.generations] if grpo else prompt_tokens) + gen
+    matmul, copy = common.matmul_peak_of(peaks, False), peaks["copy"]["peak"]
+
+    def lm(per_param: float) -> float:
+        return common.linear_flops(policy, tokens, gen, per_param)
+
+    critic = common.linear_flops(reward, tokens, None, 2.0) if trl else 0.0
+    epochs, passes = (1, 1) if grpo else (args.ppo_epochs, 1 if trl else 2)
+    flops = {"generate": lm(2.0), "score": common.linear_flops(reward, tokens, None, 2.0),
+             "reference": passes * lm(2.0) + critic, "update": epochs * (lm(6.0) + 3 * critic)}
+    rows = [common.floor_row(phase, run[f"{phase}_s"], work, "FLOP", matmul) for phase, work in flops.items()]
+    rows.append(common.floor_row("decode", run["generate_s"], policy["matmul_params"] * 4.0 * args.new_tokens, "B",
+                                 copy))
+    if "vllm" in run["trainer"]:
+        rows.append(common.floor_row("sync", run["sync_s"] or None, policy["params"] * 8.0, "B", copy))
+    rows.append(common.floor_row("step", run["s_per_step"], sum(flops.values()), "FLOP", matmul))
+    return rows
+
+
 def add_flags(parser) -> None:
     common.add_run_flags(parser, "gsm8k/train.jsonl", trainers=TRAINERS, default_trainers=DEFAULT_TRAINERS,
                          warmup=1, steps="PPO steps per run (rollout + all its epochs; default 3).", timeout=1200)
@@ -370,19 +410,24 @@ def main(argv: list[str] | None = None) -> None:
     add_flags(parser)
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"trl-ppo": child_trl, "": child_alignflow})
+        return common.child_main(json.loads(args.child), {"trl-ppo": child_trl, "probe": common.child_probe,
+                                                          "": child_alignflow})
 
     models = common.parse_list(args.models, ("tiny", "smollm2"), "model")
     trainers = check_args(args)
     source = common.data_path(args.data, "gsm8k/train.jsonl")
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-ppo-"))
-    runs, data_info = [], {}
+    runs, data_info, counts, reward_counts = [], {}, {}, {}
     started = common.clock()
+    vllm = any("vllm" in t for t in trainers)
     try:
+        probes = [common.probe_peaks(__file__, work, args.threads, args.timeout, vllm=vllm)]
         for model in models:
             path = common.model_path(model, work, args.smollm2_dir)
             reward = make_reward_model(path, work / f"{model}-reward", args.seed)
+            counts[model] = common.matmul_parameters(path)
+            reward_counts[model] = common.matmul_parameters(reward, "AutoModelForSequenceClassification")
             ppo_data, data_info[model] = prepare_data(source, work, path, args.batch_size)
             grpo_data, _ = prepare_data(source, work, path, args.batch_size // args.generations)
             for repeat, trainer in common.alternating(trainers, args.repeats):
@@ -405,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
                       + f"; peak RSS {result['peak_rss_mb']:.0f} MB, {result['wall_s']:.0f} s wall",
                       file=sys.stderr, flush=True)
                 runs.append({**row, **result})
+        probes.append(common.probe_peaks(__file__, work, args.threads, args.timeout, vllm=vllm))  # the best counts
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = common.median_rows([r for r in runs if "failed" not in r], ["model", "trainer"])
@@ -420,8 +466,15 @@ def main(argv: list[str] | None = None) -> None:
     print(ratios)
     for failed in (r for r in runs if "failed" in r):
         print(f"\n{failed['model']} {failed['trainer']} FAILED: {failed['failed']}")
+    peaks = common.best_peaks(*probes)
+    floor, floor_records = common.floor_report(medians, [("model", "model"), ("trainer", "trainer")], lambda run: floor_rows(
+        run, counts[run["model"]], reward_counts[run["model"]], data_info[run["model"]]["prompt_tokens"], args, peaks))
+    print("\n" + common.peaks_line(peaks, counts) + "\n")
+    print(floor)
     if args.json:
-        common.write_json(args.json, "ppo", args, runs, medians, data=data_info, trl_env=trl_versions(args))
+        common.write_json(args.json, "ppo", args, runs, medians, data=data_info, trl_env=trl_versions(args),
+                          peaks=peaks, probes=probes, parameters={"policy": counts, "reward": reward_counts},
+                          floor=floor_records)
 
 
 def trl_versions(args) -> dict | None:
