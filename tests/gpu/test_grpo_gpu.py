@@ -49,6 +49,31 @@ def test_colocated_vllm_sleeps_during_the_update_and_still_learns(tiny_model, tm
     _closes_half_the_gap(rewards_of(tmp_path / "out"))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL puts each rank on its own device")
+def test_rollout_server_on_its_own_gpu_takes_weights_over_an_nccl_group(tiny_model):
+    """The weight group on GPUs (NCCL; never run on this project's CPU machines): a server on GPU 1, the pushing
+    process on GPU 0; after a push from CUDA tensors the server's greedy output is the pushed model's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'alignflow[gpu]'")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import model_greedy, perturb
+    from trainer.engine.launch import free_port
+    from trainer.rollout import SamplingConfig, make_engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [list(range(5, 12)), list(range(40, 70))]
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0)
+    with make_engine("vllm-server", model=model, tokenizer=tokenizer, model_path=tiny_model, max_model_len=512,
+                     dtype="float32", server_devices="1", group_port=free_port(), weight_channel="group",
+                     server_timeout_s=600) as engine:
+        assert engine.info["weight_group"]["backend"] == "nccl"
+        perturb(model, seed=6)
+        engine.sync_weights((name, t.cuda()) for name, t in model.state_dict().items())
+        assert engine.last_push["channel"] == "group"
+        assert [s[0].token_ids for s in engine.generate(prompts, greedy)] == [model_greedy(model, p, 8) for p in prompts]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_through_accelerate_launch(tiny_model, tmp_path, stage):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'alignflow[gpu]'")
