@@ -148,7 +148,7 @@ KNOWN: dict[str, Known] = {
     # --- model loading --------------------------------------------------------------------------
     "model_revision": only(("main",), "pin a revision by downloading it to a folder (or s3://) and passing that"),
     "model_init_kwargs": unset("not supported: use `dtype` and `trust_remote_code`"),
-    "attn_implementation": only(("sdpa",), "models load with PyTorch SDPA attention"),
+    "attn_implementation": only(("sdpa",), "models load with PyTorch SDPA attention (dense matmuls for bf16 training on the CPU)"),
     "load_in_8bit": unset("quantised training (bitsandbytes) is not supported"),
     "load_in_4bit": unset("quantised training (bitsandbytes) is not supported"),
     "bnb_4bit_quant_type": any_value("quantised training is not supported (see `load_in_4bit`)"),
