@@ -50,6 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 SERVED_NAME = "policy"  # the model name requests use, whatever the folder is called
@@ -115,39 +116,39 @@ class WeightStage:
         self.updating = False
 
     def add(self, blob: bytes) -> int:
-        from safetensors import safe_open
-
-        if self.dir is None:
-            self.dir = Path(tempfile.mkdtemp(prefix="alignflow-weights-", dir=_scratch_root(len(blob))))
-            self.updating = True
-        path = self.dir / f"{len(self.files):05d}.safetensors"
-        path.write_bytes(blob)
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-        self.files.append(path)
-        self.names.update(names)
-        self.bytes += len(blob)
-        return len(names)
+        """A chunk sent over HTTP: written into the staging folder."""
+        return self._stage(len(blob), lambda path: path.write_bytes(blob))
 
     def add_file(self, source: Path) -> int:
         """A chunk the trainer wrote in this node's /dev/shm: moved into the staging folder (a rename when both
         are in /dev/shm), then staged like a blob."""
+        return self._stage(source.stat().st_size, lambda path: shutil.move(source, path))
+
+    def _stage(self, size: int, put: Callable[[Path], object]) -> int:
+        """The next chunk file of this update, `size` bytes that `put` writes at the path it is given (the staging
+        folder made on the first chunk); returns its tensor count."""
         from safetensors import safe_open
 
         if self.dir is None:
-            self.dir = Path(tempfile.mkdtemp(prefix="alignflow-weights-", dir=_scratch_root(source.stat().st_size)))
+            self.dir = Path(tempfile.mkdtemp(prefix="alignflow-weights-", dir=_scratch_root(size)))
             self.updating = True
         path = self.dir / f"{len(self.files):05d}.safetensors"
-        shutil.move(source, path)
+        put(path)
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())
         self.files.append(path)
         self.names.update(names)
-        self.bytes += path.stat().st_size
+        self.bytes += size
         return len(names)
 
-    def missing(self) -> list[str]:
-        return sorted(self.expected - self.names)
+    def missing(self, names: Iterable[str] | None = None) -> list[str]:
+        """The model's weights not among `names` (default: the staged ones)."""
+        return sorted(self.expected - (self.names if names is None else set(names)))
+
+    def incomplete(self, missing: list[str]) -> str:
+        """The start of the error for an update that lacks the weights `missing`."""
+        return (f"a weight update needs every weight of the model; {len(missing)} of {len(self.expected)} missing "
+                f"(e.g. {missing[:3]})")
 
     def clear(self) -> None:
         if self.dir is not None:
@@ -155,19 +156,18 @@ class WeightStage:
         self.dir, self.files, self.names, self.bytes, self.updating = None, [], set(), 0, False
 
 
+SHARED_ROOT = Path("/dev/shm")
+SHARED_PREFIX = "alignflow-push-"  # the trainer's folder of chunk files in SHARED_ROOT
+
+
 def _scratch_root(num_bytes: int) -> str | None:
     """/dev/shm (RAM) when it can hold a whole model's worth of chunks; containers often give it 64 MB."""
-    shm = Path("/dev/shm")
     try:
-        if shm.is_dir() and shutil.disk_usage(shm).free > 64 * max(num_bytes, 1 << 20):
-            return str(shm)
+        if SHARED_ROOT.is_dir() and shutil.disk_usage(SHARED_ROOT).free > 64 * max(num_bytes, 1 << 20):
+            return str(SHARED_ROOT)
     except OSError:
         pass
     return None
-
-
-SHARED_ROOT = Path("/dev/shm")
-SHARED_PREFIX = "alignflow-push-"  # the trainer's folder of chunk files in SHARED_ROOT
 
 
 def shared_chunk(path: str) -> Path | None:
@@ -237,8 +237,7 @@ def weight_router(stage: WeightStage, info: dict):
             if missing:
                 staged = len(stage.names)
                 stage.clear()
-                raise HTTPException(400, f"a weight update needs every weight of the model; {len(missing)} of "
-                                         f"{len(stage.expected)} missing (e.g. {missing[:3]}), {staged} staged")
+                raise HTTPException(400, f"{stage.incomplete(missing)}, {staged} staged")
             started, files, size = time.perf_counter(), [str(p) for p in stage.files], stage.bytes
             try:
                 loaded = await engine.collective_rpc("alignflow_load_weights_files", kwargs={"paths": files})
@@ -285,11 +284,10 @@ def weight_router(stage: WeightStage, info: dict):
                                          f"POST /weights/group/init again): {first_line(err)}") from err
             finally:
                 stage.updating = stage.dir is not None  # chunks staged by another channel are still pending
-            missing = sorted(stage.expected - set(received["names"]))
+            missing = stage.missing(received["names"])
             if missing:
-                raise HTTPException(400, f"a weight update needs every weight of the model; {len(missing)} of "
-                                         f"{len(stage.expected)} missing (e.g. {missing[:3]}): the model now holds "
-                                         "a partial update; push them all")
+                raise HTTPException(400, f"{stage.incomplete(missing)}: the model now holds a partial update; push "
+                                         "them all")
             stage.version = int(body.get("version", stage.version + 1))
             seconds = time.perf_counter() - started
             log.info("Weights updated to version %d over the weight group: %d tensors, %.1f MB in %.2f s.",
