@@ -318,9 +318,8 @@ def run_grpo(config: GRPOConfig) -> str:
     ref_model = None
     if config.beta > 0 and not config.lora_r:
         ref_model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).eval().requires_grad_(False)
-    if config.share_prompt:
-        for m in (model, ref_model):
-            use_alignflow_attention(m)
+    if config.share_prompt:  # the policy gets the same attention in run.prepare
+        use_alignflow_attention(ref_model)
     model.train()
     trainable, total = count_parameters(model)
     log.info("Model %s: %.2fM parameters, %.2fM trainable.", config.model, total / 1e6, trainable / 1e6)
