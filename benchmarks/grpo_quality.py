@@ -22,6 +22,19 @@ a >= b for -). Items come from `--seed`; the held-out set (`--eval-items`) and t
 
 Each phase runs in its own process. The evaluation engine runs in the training dtype (bfloat16
 with bf16, as the rollouts do), the same for before and after.
+
+Learning per CPU-minute (`--budget SECONDS`): each of `--trainers` (alignflow, and TRL 1.16's
+`GRPOTrainer` with `use_vllm=False`, since TRL's vLLM needs a GPU) trains the same model on the same
+pool with the same rewards and weights, G, prompts per step, completion length, temperature, learning
+rate, loss (dapo, beta 0, group scaling) and bf16, for `--budget` seconds of its step loop. At each
+fraction in `--eval-at` of the budget it writes the model (the time spent writing is left out of the
+clock), and every such model gets the same held-out evaluation as above. The start (model loading,
+alignflow's vLLM engine) is recorded but not counted. Writes `results/grpo_quality_budget.json`
+(curves of held-out accuracy against training seconds, per-step rewards, the budget at which
+alignflow first reaches TRL's final accuracy as a fraction of TRL's budget) and
+`results/grpo_quality_budget.png`.
+
+    PYTHONPATH=/path/to/trl-1.16 python benchmarks/grpo_quality.py --budget 420 --json benchmarks/results/grpo_quality_budget.json
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import common
@@ -99,29 +113,136 @@ def child_eval(spec: dict) -> dict:
             "engine_start_s": ready - start, "generate_s": generated - ready}
 
 
+class Budget:
+    """The clock of a budgeted run: seconds of the step loop, less the time spent writing the evaluation
+    models. After each step, `after_step` writes a model at every mark passed (fractions of the budget) and
+    says whether the budget is spent."""
+
+    def __init__(self, seconds: float, fractions: list[float], root: Path):
+        self.marks = [f * seconds for f in sorted(fractions)]
+        self.root, self.points, self.writing, self.started = root, [], 0.0, None
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started = common.clock()
+
+    def after_step(self, step: int, write: Callable[[Path], None]) -> bool:
+        elapsed = common.clock() - self.started - self.writing
+        if elapsed >= self.marks[len(self.points)]:
+            began, path = common.clock(), self.root / f"at-{len(self.points)}"
+            write(path)
+            self.writing += common.clock() - began
+            self.points.append({"step": step, "train_s": elapsed, "path": str(path)})
+        return len(self.points) == len(self.marks)
+
+
+class BudgetSpent(Exception):
+    pass
+
+
+def write_model(model, tokenizer, path: Path) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def child_train(spec: dict) -> dict:
     import time
 
     from trainer.engine import checkpoint
+    from trainer.engine.runner import StageRunner
     from trainer.stages.rl import grpo
 
+    budget = spec.get("budget")
     config = grpo.GRPOConfig(
         model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"], dtype="float32",
-        bf16=spec["bf16"], rollout_engine="vllm", max_steps=spec["steps"], num_generations=spec["generations"],
-        per_device_batch_size=spec["prompts_per_step"] * spec["generations"], gradient_accumulation_steps=1,
-        max_prompt_length=spec["max_prompt_length"], max_completion_length=spec["new_tokens"],
-        temperature=spec["temperature"], learning_rate=spec["learning_rate"], lr_scheduler="constant",
-        beta=0.0, loss_type="dapo", scale_rewards="group", reward_funcs=["exact_answer", f"regex:{JUST_A_NUMBER}"],
-        reward_weights=[1.0, spec["format_weight"]], seed=spec["seed"], logging_steps=1,
-        log_completions_steps=0, save_steps=0, disable_progress_bar=True)
+        bf16=spec["bf16"], rollout_engine="vllm", max_steps=10**6 if budget else spec["steps"],
+        num_generations=spec["generations"], per_device_batch_size=spec["prompts_per_step"] * spec["generations"],
+        gradient_accumulation_steps=1, max_prompt_length=spec["max_prompt_length"],
+        max_completion_length=spec["new_tokens"], temperature=spec["temperature"], learning_rate=spec["learning_rate"],
+        lr_scheduler="constant", beta=0.0, loss_type="dapo", scale_rewards="group",
+        reward_funcs=["exact_answer", f"regex:{JUST_A_NUMBER}"], reward_weights=[1.0, spec["format_weight"]],
+        seed=spec["seed"], logging_steps=1, log_completions_steps=0, save_steps=0, disable_progress_bar=True)
     start = time.perf_counter()
-    grpo.run_grpo(config)
-    history = checkpoint.read_history(spec["out_dir"])
+    clock, runs = None, []
+    if budget:  # patched in this child only: the loop's first rollout starts the clock, each step end checks it
+        clock = Budget(budget, spec["eval_at"], Path(spec["out_dir"]) / "budget")
+        rollout, maybe_save = grpo.rollout, StageRunner.maybe_save
+
+        def timed_rollout(run, *args, **kwargs):
+            clock.start()
+            runs.append(run)
+            return rollout(run, *args, **kwargs)
+
+        def budgeted_save(run, step, span=1):
+            if clock.after_step(step, lambda path: write_model(run.module, run.tokenizer, path)):
+                raise BudgetSpent
+            maybe_save(run, step, span)
+
+        grpo.rollout, StageRunner.maybe_save = timed_rollout, budgeted_save
+    try:
+        grpo.run_grpo(config)
+        history = checkpoint.read_history(spec["out_dir"])
+    except BudgetSpent:
+        history = runs[-1].tracker.history
     keys = ("reward", "reward_std", "rewards/exact_answer/mean", "rewards/regex/mean", "completions/mean_length",
             "completions/clipped_ratio", "frac_reward_zero_std", "entropy", "loss", "grad_norm", "step_time",
             "timing/generate", "timing/update", "timing/sync")
     steps = [{"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in history if "reward" in r]
-    return {"steps": steps, "train_s": time.perf_counter() - start}
+    out = {"steps": steps, "train_s": time.perf_counter() - start}
+    if clock:
+        out.update(points=clock.points, setup_s=clock.started - start, writing_s=clock.writing)
+    return out
+
+
+def child_train_trl(spec: dict) -> dict:
+    """TRL's `GRPOTrainer` on the same inputs and settings, for `spec["budget"]` seconds of its step loop."""
+    import time
+
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.rewards.rules import exact_answer, make_regex_reward
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    rows = datasets.load_dataset("json", data_files=spec["data_path"], split="train")
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    clock = Budget(spec["budget"], spec["eval_at"], Path(spec["out_dir"]) / "budget")
+    logged: list[dict] = []
+    completions = spec["prompts_per_step"] * spec["generations"]
+
+    class Budgeted(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.start()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if clock.after_step(state.global_step, lambda path: write_model(model, tokenizer, path)):
+                control.should_training_stop = True
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.append({"step": state.global_step, **(logs or {})})
+
+    args = GRPOConfig(
+        output_dir=spec["out_dir"], max_steps=10**6, per_device_train_batch_size=completions,
+        generation_batch_size=completions, gradient_accumulation_steps=1, num_generations=spec["generations"],
+        max_completion_length=spec["new_tokens"], temperature=spec["temperature"], top_p=1.0, top_k=0, beta=0.0,
+        loss_type="dapo", scale_rewards="group", num_iterations=1, learning_rate=spec["learning_rate"],
+        lr_scheduler_type="constant", warmup_steps=0, use_vllm=False, reward_weights=[1.0, spec["format_weight"]],
+        bf16=spec["bf16"], fp16=False, use_cpu=True, gradient_checkpointing=False, seed=spec["seed"],
+        logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        log_completions=False, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[exact_answer, make_regex_reward(JUST_A_NUMBER)], args=args,
+                          train_dataset=rows, processing_class=tokenizer, callbacks=[Budgeted()])
+    trainer.train()
+    steps = [{"step": r["step"], **{k: r[k] for k in ("reward", "reward_std", "rewards/exact_answer/mean",
+                                                     "rewards/regex/mean", "completions/mean_length",
+                                                     "completions/clipped_ratio", "frac_reward_zero_std",
+                                                     "entropy", "loss", "grad_norm") if k in r}}
+             for r in logged if "reward" in r]
+    return {"steps": steps, "train_s": time.perf_counter() - start, "points": clock.points,
+            "setup_s": clock.started - start, "writing_s": clock.writing}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,6 +271,103 @@ def summarize(before: dict, after: dict, steps: list[dict], total: float, load: 
             "load_average_after": load[1]}
 
 
+def compare_budgets(args, trainers: list[str], eval_at: list[float], train_spec: dict, before: dict,
+                    evaluate: Callable[[Path, str], dict], held_out: list[dict], work: Path, started: float,
+                    load_before: float) -> None:
+    """Learning per CPU-minute: each trainer for `args.budget` seconds, each written model evaluated."""
+    curves, runs = {}, [{"phase": "eval before", **{k: v for k, v in before.items() if k != "completions"}}]
+    start = {"step": 0, "train_s": 0.0, "accuracy": before["accuracy"], "format_rate": before["format_rate"],
+             "correct": before["correct"]}
+    for trainer in trainers:
+        spec = dict(train_spec, budget=args.budget, eval_at=eval_at, out_dir=str(work / trainer))
+        log = common.stamped_log(started)
+        log(f"{trainer}: training for {args.budget:.0f}s ...")
+        trained = common.run_phase(__file__, "train" if trainer == "alignflow" else "train_trl", spec,
+                                   args.timeout)
+        log(f"{trainer}: {len(trained['steps'])} steps in {trained['points'][-1]['train_s']:.0f}s "
+            f"(start {trained['setup_s']:.0f}s, writing models {trained['writing_s']:.0f}s, not counted)")
+        points = [start]
+        for point in trained.pop("points"):
+            result = evaluate(Path(point["path"]), f"{trainer} at {point['train_s']:.0f}s (step {point['step']})")
+            points.append({"step": point["step"], "train_s": point["train_s"], "accuracy": result["accuracy"],
+                           "format_rate": result["format_rate"], "correct": result["correct"]})
+            runs.append({"phase": f"eval {trainer} step {point['step']}",
+                         **{k: v for k, v in result.items() if k not in ("completions", "correct")}})
+        curves[trainer] = points
+        runs.append({"phase": f"train {trainer}", **trained})
+    summary = budget_summary(curves, args.budget)
+    json_path = args.json
+    plot_path = json_path.with_name(json_path.stem + ".png")
+    settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, max_completion_length={args.new_tokens}, "
+                f"lr={args.learning_rate:g} constant, T={args.temperature:g}, beta=0, dapo, rewards exact_answer + "
+                f"{args.format_weight:g} x just-the-number, {'bf16' if args.bf16 else 'float32'}, {args.threads} CPU "
+                f"threads, budget {args.budget:.0f}s of training each (alignflow: vLLM rollouts; TRL: use_vllm=False); "
+                f"greedy eval on {len(held_out)} held-out items")
+    plot_budget_curves(curves, summary, settings, plot_path)
+    common.write_json(json_path, "grpo_quality_budget", args, runs, [], summary=summary,
+                      curves={t: [{k: v for k, v in p.items() if k != "correct"} for p in c] for t, c in curves.items()},
+                      items=[{"question": r["prompt"][0]["content"], "answer": r["answer"],
+                              **{f"{t} step {p['step']}": p["correct"][i] for t, c in curves.items() for p in c}}
+                             for i, r in enumerate(held_out)])
+    common.print_header("GRPO learning per CPU-minute on 2-digit arithmetic", settings, started, load_before)
+    rows = [[t, p["step"], round(p["train_s"]), p["accuracy"], p["format_rate"]] for t, c in curves.items() for p in c]
+    print(common.format_table(["trainer", "step", "train s", "held-out accuracy", "just the number"], rows))
+    for line in summary["lines"]:
+        print(line)
+    print(f"\nresults: {json_path}, {plot_path}")
+
+
+def budget_summary(curves: dict[str, list[dict]], budget: float) -> dict:
+    """Each trainer's final accuracy and steps; with both, the paired test of the final models and the training
+    seconds at which alignflow's first evaluated model reaches TRL's final accuracy, as a fraction of TRL's."""
+    summary: dict = {"budget_s": budget, "lines": []}
+    for trainer, points in curves.items():
+        last = points[-1]
+        summary[trainer] = {"final_accuracy": last["accuracy"], "steps": last["step"], "train_s": last["train_s"],
+                            "steps_per_minute": 60 * last["step"] / last["train_s"]}
+        summary["lines"].append(f"{trainer}: {points[0]['accuracy']:.1%} -> {last['accuracy']:.1%} in "
+                                f"{last['step']} steps, {last['train_s']:.0f}s")
+    if {"alignflow", "trl"} <= curves.keys():
+        ours, trl = curves["alignflow"], curves["trl"]
+        test = common.paired(trl[-1]["correct"], ours[-1]["correct"], "accuracy")
+        reached = next((p for p in ours[1:] if p["accuracy"] >= trl[-1]["accuracy"]), None)
+        fraction = reached["train_s"] / trl[-1]["train_s"] if reached else None
+        summary.update(final_paired=test, alignflow_reaches_trl_final_s=reached and reached["train_s"],
+                       alignflow_budget_fraction=fraction)
+        summary["lines"].append(
+            f"alignflow reaches TRL's final {trl[-1]['accuracy']:.1%} at "
+            + (f"{reached['train_s']:.0f}s (step {reached['step']}), {fraction:.2f} of TRL's {trl[-1]['train_s']:.0f}s"
+               if reached else "no evaluated point within its budget")
+            + (" (TRL ended no better than the start, so this says little)"
+               if trl[-1]["accuracy"] <= trl[0]["accuracy"] else "")
+            + f"; final models paired: {test['accuracy_newly_1']} right only with alignflow, "
+              f"{test['accuracy_newly_0']} only with TRL, McNemar exact p = {test['accuracy_mcnemar_p']:.3g}")
+    return summary
+
+
+def plot_budget_curves(curves: dict[str, list[dict]], summary: dict, settings: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (trainer, points) in enumerate(curves.items()):
+        ax.plot([p["train_s"] / 60 for p in points], [p["accuracy"] for p in points], marker="o", color=f"C{i}",
+                label=f"{trainer} ({points[-1]['step']} steps)")
+    ax.set_xlabel("training wall time (minutes; model loading and engine start not counted)")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title("GRPO on 2-digit arithmetic, SmolLM2-135M-Instruct, CPU: learning per minute\n"
+                 + "; ".join(summary["lines"][-1:]).split(";")[0], fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--model", type=Path, default=common.SMOLLM2, help="Starting model (HF folder).")
@@ -166,15 +384,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="GRPO optimizer steps (one generation each).")
     parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="Train and evaluate in float32.")
     parser.add_argument("--eval-only", action="store_true", help="Only the 'before' evaluation (a pilot).")
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="Seconds of training per trainer (learning per CPU-minute; replaces --steps). 0: off.")
+    parser.add_argument("--trainers", default="alignflow,trl",
+                        help="With --budget, comma-separated from: alignflow, trl (TRL 1.16 must be importable).")
+    parser.add_argument("--eval-at", default="0.125,0.25,0.5,0.75,1",
+                        help="With --budget, the fractions of the budget at which the model is written and evaluated.")
     common.add_run_flags(parser, "-", warmup=None, repeats=False, timeout=3600,
                          json_default=RESULTS / "grpo_quality.json")  # the reward curve goes beside it
     args = parser.parse_args(argv)
     if args.child:
-        return common.phase_child(args.child, {"eval": child_eval, "train": child_train})
+        return common.phase_child(args.child, {"eval": child_eval, "train": child_train, "train_trl": child_train_trl})
     if not (args.model / "config.json").exists():
         sys.exit(f"No model at {args.model}; make SmolLM2 with scripts/get_smollm2.sh or pass --model.")
     if args.eval_items < 1 or args.train_items < args.prompts_per_step:
         sys.exit("--eval-items must be >= 1 and --train-items >= --prompts-per-step.")
+    trainers = common.parse_list(args.trainers, ("alignflow", "trl"), "trainer")
+    eval_at = [float(f) for f in args.eval_at.split(",")]
+    if args.budget and not all(0 < f <= 1 for f in eval_at):
+        sys.exit(f"--eval-at takes fractions of the budget in (0, 1]; got {args.eval_at}.")
+    if args.budget:
+        common.require_trl(trainers)
+        if args.json == RESULTS / "grpo_quality.json":  # the default: the single-arm run's result stays
+            args.json = RESULTS / "grpo_quality_budget.json"
 
     items = arithmetic_items(args.eval_items + args.train_items, args.seed)
     held_out, pool = items[:args.eval_items], items[args.eval_items:]
@@ -206,6 +438,9 @@ def main(argv: list[str] | None = None) -> None:
                           steps=args.steps, generations=args.generations, prompts_per_step=args.prompts_per_step,
                           learning_rate=args.learning_rate, temperature=args.temperature,
                           format_weight=args.format_weight, bf16=args.bf16)
+        if args.budget:
+            return compare_budgets(args, trainers, eval_at, train_spec, before, evaluate, held_out, work, started,
+                                   load_before)
         log(f"training {args.steps} steps ...")
         trained = common.run_phase(__file__, "train", train_spec, args.timeout)
         zero = [s.get("frac_reward_zero_std", float("nan")) for s in trained["steps"]]
