@@ -51,11 +51,22 @@ own tensor, times a [G x prompts, in] activation; bf16 and fp32), the ceiling of
 N x (4 + weight bytes); the step all FLOPs. The JSON adds `peaks`, `probes`, `parameters`, `floor`.
 `--set FIELD=VALUE` overrides GRPOConfig fields of the alignflow runs and `--child-env NAME=VALUE`
 (NAME= unsets) the training children's environment, for A/B runs of settings.
+
+`alignflow-cli` is what a user types: `python -m trainer.cli train grpo` (the `alignflow train grpo`
+command) in its own process, given only the model, data, output folder, `--bf16`, the rollout engine
+(vllm), G, the completion length, the batch, beta 0, the learning rate, the reward and the seed; every
+other field at its CLI default (loss, scaling, schedule, logging, completion logging, progress bar),
+the thread and vLLM KV-cache variables unset, no patching (use `--natural-lengths` with it: the CLI
+stops at eos). Its steps are its own `step_time` (generate to sync) from `metrics.jsonl`.
+
+    python benchmarks/grpo.py --models smollm2 --bf16 --generations 8 --new-tokens 64 --natural-lengths \
+        --trainers alignflow-cli,trl --json benchmarks/results/grpo_cli.json
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -65,7 +76,7 @@ from pathlib import Path
 
 import common
 
-TRAINERS = ("alignflow-vllm", "alignflow-hf", "trl")
+TRAINERS = ("alignflow-vllm", "alignflow-hf", "alignflow-cli", "trl")
 PHASES = ("generate", "score", "reference", "update", "sync", "other")
 
 
@@ -140,6 +151,34 @@ def child_alignflow(spec: dict, started: float) -> dict:
             "loop_s": common.median(loop),  # the stage's own step_time (generate to sync), as the CLI logs it
             "import_s": imported - started, "setup_s": marks["train_start"] - imported,
             "total_s": done - started, "reward": history[-1].get("reward")}
+
+
+def child_cli(spec: dict, started: float) -> dict:
+    """`alignflow train grpo` as a user runs it, timed from its own metrics.jsonl."""
+    import subprocess
+
+    from trainer.engine import checkpoint
+
+    group = spec["generations"]
+    flags = dict(model=spec["model_path"], dataset=spec["data_path"], output_dir=spec["out_dir"],
+                 bf16="true" if spec["bf16"] else "false", rollout_engine="vllm", num_generations=group,
+                 max_completion_length=spec["new_tokens"], per_device_batch_size=spec["prompts_per_step"] * group,
+                 beta=0, learning_rate=spec["learning_rate"], reward_funcs="exact_answer", seed=spec["seed"],
+                 max_steps=spec["steps"])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "OMP_WAIT_POLICY")}
+    command = [sys.executable, "-m", "trainer.cli", "train", "grpo", *(f"--{k}={v}" for k, v in flags.items())]
+    subprocess.run(command, check=True, env=env, cwd=common.REPO)
+    done = common.clock()
+    history = [r for r in checkpoint.read_history(spec["out_dir"]) if "step_time" in r]
+    steps = [r["step_time"] for r in history]
+    ends = list(itertools.accumulate(steps))
+    phases = [{p: r.get(f"timing/{p}", 0.0) for p in PHASES if p != "other"} for r in history]
+    gen_tokens = [r["completions/mean_length"] * spec["prompts_per_step"] * group for r in history]
+    totals = [r["num_tokens"] for r in history]
+    all_tokens = [b - a for a, b in zip([0.0, *totals[:-1]], totals)]
+    return {**_summary(spec, ends, 0.0, phases, gen_tokens, all_tokens), "total_s": done - started,
+            "reward": history[-1].get("reward")}
 
 
 def child_trl(spec: dict, started: float) -> dict:
@@ -267,14 +306,14 @@ def floor_rows(run: dict, counts: dict, prompt_tokens: int, spec: dict, peaks: d
     tokens = prompt_tokens + run["gen_tokens_per_step"]
     matmul = common.matmul_peak_of(peaks, spec["bf16"])
     copy = peaks["copy"]["peak"]
-    engine_bytes = 2 if spec["bf16"] and run["trainer"] == "alignflow-vllm" else 4
+    engine_bytes = 2 if spec["bf16"] and run["trainer"] in ("alignflow-vllm", "alignflow-cli") else 4
     gemm = peaks["decode_gemm"][run["model"]]["bfloat16" if engine_bytes == 2 else "float32"][str(spec["completions"])]
     steps = spec["new_tokens"] if spec["full_length"] else run["gen_tokens_per_step"] / spec["completions"]
     overrides = spec.get("overrides", {})
     passes = int(overrides.get("beta", 0.0) > 0) + int(overrides.get("num_iterations", 1) > 1)
     if run["trainer"] == "trl":
         passes = int(run["reference_s"] > 0)
-    sync = counts["params"] * (4 + engine_bytes) if run["trainer"] == "alignflow-vllm" else None
+    sync = counts["params"] * (4 + engine_bytes) if run["trainer"] in ("alignflow-vllm", "alignflow-cli") else None
     return [common.floor_row("update", run["update_s"], 6.0 * n * tokens, "FLOP", matmul),
             common.floor_row("reference", run["reference_s"], 2.0 * n * tokens * passes or None, "FLOP", matmul),
             common.floor_row("generate", run["generate_s"], 2.0 * n * tokens, "FLOP", matmul),
@@ -321,14 +360,16 @@ def summarise(medians: list[dict], cases: list[tuple], trainers: list[str]) -> t
                 continue
             rows.append([*case, trainer, r["s_per_step"], *(r[f"{p}_s"] for p in PHASES), r["gen_tok_per_s"],
                          r["tok_per_s"], r["gen_tokens_per_step"], r["peak_rss_mb"]])
-        trl, vllm, hf = (results.get((*case, t)) for t in ("trl", "alignflow-vllm", "alignflow-hf"))
+        trl, vllm, hf, cli = (results.get((*case, t)) for t in ("trl", "alignflow-vllm", "alignflow-hf", "alignflow-cli"))
         top = max(PHASES, key=lambda p: vllm[f"{p}_s"]) if vllm else None
         step_ratio = common.ratio(vllm, trl, "s_per_step")
-        ratio_rows.append([*case, step_ratio, common.ratio(hf, trl, "s_per_step"), common.ratio(vllm, trl, "generate_s"),
+        ratio_rows.append([*case, step_ratio, common.ratio(hf, trl, "s_per_step"), common.ratio(cli, trl, "s_per_step"),
+                           common.ratio(vllm, trl, "generate_s"),
                            common.ratio(vllm, trl, "update_s"),
                            f"{top} {vllm[f'{top}_s'] / vllm['s_per_step']:.0%}" if top else None,
                            None if step_ratio is None else "yes" if step_ratio <= 1 / 3 else "no"])
-    ratio_table = common.format_table(["model", "G", "new tok", "vllm/TRL step", "hf/TRL step", "vllm/TRL generate",
+    ratio_table = common.format_table(["model", "G", "new tok", "vllm/TRL step", "hf/TRL step", "cli/TRL step",
+                                       "vllm/TRL generate",
                                        "vllm/TRL update", "vllm's largest phase", "<= 1/3?"], ratio_rows)
     return common.format_table(headers, rows), ratio_table
 
@@ -355,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.child:
         return common.child_main(json.loads(args.child), {"trl": child_trl, "probe": child_probe,
-                                                          "": child_alignflow})
+                                                          "alignflow-cli": child_cli, "": child_alignflow})
 
     models = common.parse_list(args.models, ("tiny", "smollm2"), "model")
     groups = [int(g) for g in common.parse_list(args.generations)]

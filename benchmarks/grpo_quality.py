@@ -121,13 +121,14 @@ class Budget:
     def __init__(self, seconds: float, fractions: list[float], root: Path):
         self.marks = [f * seconds for f in sorted(fractions)]
         self.root, self.points, self.writing, self.started = root, [], 0.0, None
+        self.at_step: dict[int, float] = {}  # step -> seconds on this clock at its end
 
     def start(self) -> None:
         if self.started is None:
             self.started = common.clock()
 
     def after_step(self, step: int, write: Callable[[Path], None]) -> bool:
-        elapsed = common.clock() - self.started - self.writing
+        elapsed = self.at_step[step] = common.clock() - self.started - self.writing
         if elapsed >= self.marks[len(self.points)]:
             began, path = common.clock(), self.root / f"at-{len(self.points)}"
             write(path)
@@ -188,6 +189,8 @@ def child_train(spec: dict) -> dict:
             "completions/clipped_ratio", "frac_reward_zero_std", "entropy", "loss", "grad_norm", "step_time",
             "timing/generate", "timing/update", "timing/sync")
     steps = [{"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in history if "reward" in r]
+    if clock:
+        steps = [{**r, "train_s": clock.at_step.get(r["step"])} for r in steps]
     out = {"steps": steps, "train_s": time.perf_counter() - start}
     if clock:
         out.update(points=clock.points, setup_s=clock.started - start, writing_s=clock.writing)
@@ -239,7 +242,8 @@ def child_train_trl(spec: dict) -> dict:
     steps = [{"step": r["step"], **{k: r[k] for k in ("reward", "reward_std", "rewards/exact_answer/mean",
                                                      "rewards/regex/mean", "completions/mean_length",
                                                      "completions/clipped_ratio", "frac_reward_zero_std",
-                                                     "entropy", "loss", "grad_norm") if k in r}}
+                                                     "entropy", "loss", "grad_norm") if k in r},
+              "train_s": clock.at_step.get(r["step"])}
              for r in logged if "reward" in r]
     return {"steps": steps, "train_s": time.perf_counter() - start, "points": clock.points,
             "setup_s": clock.started - start, "writing_s": clock.writing}
@@ -295,7 +299,8 @@ def compare_budgets(args, trainers: list[str], eval_at: list[float], train_spec:
                          **{k: v for k, v in result.items() if k not in ("completions", "correct")}})
         curves[trainer] = points
         runs.append({"phase": f"train {trainer}", **trained})
-    summary = budget_summary(curves, args.budget)
+    steps = {r["phase"].removeprefix("train "): r["steps"] for r in runs if r["phase"].startswith("train ")}
+    summary = budget_summary(curves, args.budget, steps)
     json_path = args.json
     plot_path = json_path.with_name(json_path.stem + ".png")
     settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, max_completion_length={args.new_tokens}, "
@@ -303,7 +308,7 @@ def compare_budgets(args, trainers: list[str], eval_at: list[float], train_spec:
                 f"{args.format_weight:g} x just-the-number, {'bf16' if args.bf16 else 'float32'}, {args.threads} CPU "
                 f"threads, budget {args.budget:.0f}s of training each (alignflow: vLLM rollouts; TRL: use_vllm=False); "
                 f"greedy eval on {len(held_out)} held-out items")
-    plot_budget_curves(curves, summary, settings, plot_path)
+    plot_budget_curves(curves, steps, settings, plot_path)
     common.write_json(json_path, "grpo_quality_budget", args, runs, [], summary=summary,
                       curves={t: [{k: v for k, v in p.items() if k != "correct"} for p in c] for t, c in curves.items()},
                       items=[{"question": r["prompt"][0]["content"], "answer": r["answer"],
@@ -317,9 +322,15 @@ def compare_budgets(args, trainers: list[str], eval_at: list[float], train_spec:
     print(f"\nresults: {json_path}, {plot_path}")
 
 
-def budget_summary(curves: dict[str, list[dict]], budget: float) -> dict:
-    """Each trainer's final accuracy and steps; with both, the paired test of the final models and the training
-    seconds at which alignflow's first evaluated model reaches TRL's final accuracy, as a fraction of TRL's."""
+def trailing_reward(steps: list[dict], k: int = 10) -> list[tuple[float, float]]:
+    """(training seconds, mean reward of the last `k` steps) at each step from the k-th on."""
+    return [(steps[i]["train_s"], sum(s["reward"] for s in steps[i + 1 - k:i + 1]) / k) for i in range(k - 1, len(steps))]
+
+
+def budget_summary(curves: dict[str, list[dict]], budget: float, steps: dict[str, list[dict]]) -> dict:
+    """Each trainer's final accuracy and steps; with both, the paired test of the final models, the training
+    seconds at which alignflow's first evaluated model reaches TRL's final accuracy and at which alignflow's
+    training reward (10-step mean) reaches TRL's last, each as a fraction of TRL's seconds."""
     summary: dict = {"budget_s": budget, "lines": []}
     for trainer, points in curves.items():
         last = points[-1]
@@ -334,6 +345,15 @@ def budget_summary(curves: dict[str, list[dict]], budget: float) -> dict:
         fraction = reached["train_s"] / trl[-1]["train_s"] if reached else None
         summary.update(final_paired=test, alignflow_reaches_trl_final_s=reached and reached["train_s"],
                        alignflow_budget_fraction=fraction)
+        ours_reward, trl_reward = trailing_reward(steps["alignflow"]), trailing_reward(steps["trl"])
+        if ours_reward and trl_reward:
+            at = next((t for t, r in ours_reward if r >= trl_reward[-1][1]), None)
+            share = at / trl[-1]["train_s"] if at is not None else None
+            summary.update(trl_final_reward=trl_reward[-1][1], alignflow_reaches_trl_reward_s=at,
+                           alignflow_reward_budget_fraction=share)
+            summary["lines"].append(
+                f"training reward (10-step mean): TRL ends at {trl_reward[-1][1]:.3f}; alignflow reaches it at "
+                + (f"{at:.0f}s, {share:.2f} of TRL's budget" if at is not None else "no step within its budget"))
         summary["lines"].append(
             f"alignflow reaches TRL's final {trl[-1]['accuracy']:.1%} at "
             + (f"{reached['train_s']:.0f}s (step {reached['step']}), {fraction:.2f} of TRL's {trl[-1]['train_s']:.0f}s"
@@ -345,24 +365,41 @@ def budget_summary(curves: dict[str, list[dict]], budget: float) -> dict:
     return summary
 
 
-def plot_budget_curves(curves: dict[str, list[dict]], summary: dict, settings: str, path: Path) -> None:
+def plot_budget_curves(curves: dict[str, list[dict]], steps: dict[str, list[dict]], settings: str, path: Path) -> None:
+    """Held-out accuracy (top) and the training reward's 10-step mean (bottom) against training minutes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    rewards = {t: trailing_reward(s) for t, s in steps.items() if s and all(r.get("train_s") is not None for r in s)}
+    rewards = {t: r for t, r in rewards.items() if r}
+    if rewards:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 2))
+    else:  # runs recorded before the per-step seconds
+        fig, top = plt.subplots(figsize=(8, 5))
+        bottom = None
     for i, (trainer, points) in enumerate(curves.items()):
-        ax.plot([p["train_s"] / 60 for p in points], [p["accuracy"] for p in points], marker="o", color=f"C{i}",
-                label=f"{trainer} ({points[-1]['step']} steps)")
-    ax.set_xlabel("training wall time (minutes; model loading and engine start not counted)")
-    ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title("GRPO on 2-digit arithmetic, SmolLM2-135M-Instruct, CPU: learning per minute\n"
-                 + "; ".join(summary["lines"][-1:]).split(";")[0], fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+        top.plot([p["train_s"] / 60 for p in points], [p["accuracy"] for p in points], marker="o", color=f"C{i}",
+                 label=f"{trainer}: {points[0]['accuracy']:.1%} -> {points[-1]['accuracy']:.1%} "
+                       f"({points[-1]['step']} steps)")
+        if bottom is not None and trainer in rewards:
+            bottom.plot([t / 60 for t, _ in rewards[trainer]], [r for _, r in rewards[trainer]], color=f"C{i}",
+                        label=trainer)
+    top.set_ylabel("held-out accuracy (greedy)")
+    top.set_title("GRPO on 2-digit arithmetic, SmolLM2-135M-Instruct, 2 CPU cores: learning per minute", fontsize=10)
+    top.grid(alpha=0.3)
+    top.legend(loc="best", fontsize=8)
+    xlabel = "training wall time, minutes (model loading and engine start not counted)"
+    if bottom is None:
+        top.set_xlabel(xlabel)
+    else:
+        bottom.set_ylabel("training reward (10-step mean)")
+        bottom.set_xlabel(xlabel)
+        bottom.grid(alpha=0.3)
+        bottom.legend(loc="lower right", fontsize=8)
     fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,8 +5,13 @@ log-prob under the distribution each token was drawn from (after temperature, to
 like the `hf` engine; vLLM's default ("raw_logprobs") ignores the temperature. Both ignore the
 model's own eos and generation_config: only `SamplingConfig.stop_token_ids` stop a completion.
 
+On the CPU the KV cache comes in blocks of `CPU_BLOCK_SIZE` (32) tokens instead of vLLM's 128 there: the G
+samples of a prompt share its prefilled KV only in full blocks, so with 128-token blocks a 92-token GSM8K
+prompt was prefilled G times (1.0 s of a 4.3 s rollout at G = 8 on SmolLM2), with 32-token blocks 64 of its
+tokens once. Decoding is as fast with either (benchmarks/NOTES.md).
+
 After every weight push the prefix cache is reset. vLLM caches the KV of full blocks of prompt
-tokens (128 tokens on CPU) and would otherwise serve prompts longer than a block from KV
+tokens (`CPU_BLOCK_SIZE` on CPU) and would otherwise serve prompts longer than a block from KV
 computed with the old weights.
 
 `VLLMEngine` (in-process) undoes three side effects of starting vLLM inside the training
@@ -45,6 +50,7 @@ from trainer.rollout.base import (
 )
 
 LOGPROBS_MODE = "processed_logprobs"
+CPU_BLOCK_SIZE = 32  # the smallest vLLM-CPU's attention takes (module docstring)
 
 
 def vllm_available() -> bool:
@@ -144,7 +150,7 @@ class VLLMEngine(EngineContext):
                 enforce_eager=True,  # no CUDA graphs / torch.compile: start in seconds, weights swap in place
                 distributed_executor_backend="uni", logprobs_mode=LOGPROBS_MODE,
                 generation_config="vllm",  # sampling defaults come from SamplingConfig only
-                enable_sleep_mode=sleep_mode,
+                enable_sleep_mode=sleep_mode, block_size=None if cuda else CPU_BLOCK_SIZE,
             )
         finally:
             torch.set_num_threads = set_num_threads  # undo vLLM-CPU's no-op patch
