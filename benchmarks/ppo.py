@@ -24,7 +24,7 @@ and one optimizer step each: TRL per_device_train_batch_size = batch, num_mini_b
 mini, gradient_accumulation_steps 1; alignflow per_device_batch_size = mini_batch_size = mini),
 fixed KL coefficient 0.05 (k1 per-token penalty), gamma 1, lam 0.95, cliprange 0.2, cliprange_value
 0.2, vf_coef 0.1, no reward whitening, no missing-EOS penalty, temperature 1, top_k off, top_p 1,
-learning rate 3e-6 constant, float32, 2 torch threads, no gradient checkpointing, no saving during
+learning rate 3e-6 constant, float32 (`--bf16`: bf16 mixed precision in every trainer), 2 torch threads, no gradient checkpointing, no saving during
 training, no MLflow. The reward is the same sequence-classification model in every trainer: the
 benchmarked model's backbone with a seeded random score head (`AutoModelForSequenceClassification`,
 num_labels=1), made once per run; scores are random-ish, which does not matter for timing.
@@ -54,8 +54,8 @@ this Python's).
 
 Floor table (issue 28): two probe children (one before and one after the runs, with the threads and
 environment of the alignflow children; the faster counts, as in grpo.py) time torch.matmul of
-2048 x 2048 bf16 and fp32 matrices and a 512 MiB copy. Every run here is float32, so FLOPs are held
-against the fp32 matmul peak. Per phase of each median run, with N_body = the nn.Linear weights of
+2048 x 2048 bf16 and fp32 matrices and a 512 MiB copy. FLOPs are held against the fp32 matmul peak, or
+the bf16 one with `--bf16`. Per phase of each median run, with N_body = the nn.Linear weights of
 the transformer blocks, N_head = the LM head's (`common.matmul_parameters`), tokens = the prompts
 (each once; GRPO: each prompt once per group, as grpo.py counts) + the generated tokens, targets =
 the generated tokens (the head runs only there): generate 2 x (N_body x tokens + N_head x targets)
@@ -117,7 +117,7 @@ def _alignflow_config(spec: dict, stage):
         learning_rate=spec["learning_rate"], lr_scheduler="constant", reward_funcs=[spec["reward_path"]],
         max_completion_length=spec["new_tokens"], max_prompt_length=spec["max_prompt_length"], temperature=1.0,
         top_p=1.0, top_k=-1, rollout_engine=engine, seed=spec["seed"], logging_steps=1, log_completions_steps=0,
-        save_steps=0, disable_progress_bar=True)
+        save_steps=0, disable_progress_bar=True, bf16=spec.get("bf16", False))
     if spec["trainer"].startswith("alignflow-ppo"):
         per = spec["ppo_epochs"] * spec["batch_size"] // spec["mini_batch_size"]
         return stage.PPOConfig(
@@ -259,7 +259,7 @@ def child_trl(spec: dict, started: float) -> dict:
         total_episodes=spec["steps"] * batch, response_length=spec["new_tokens"], stop_token=None,
         missing_eos_penalty=None, temperature=1.0, kl_coef=KL_COEF, kl_estimator="k1", vf_coef=0.1,
         cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95, whiten_rewards=False,
-        learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, bf16=False, fp16=False,
+        learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, bf16=spec.get("bf16", False), fp16=False,
         use_cpu=True, gradient_checkpointing=False, seed=spec["seed"], num_sample_generations=0,
         logging_steps=10**9, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0)
@@ -358,7 +358,7 @@ def floor_rows(run: dict, policy: dict, reward: dict, prompt_tokens: list[int], 
     grpo, trl = "grpo" in run["trainer"], run["trainer"] == "trl-ppo"
     gen = run["gen_tokens_per_step"]
     tokens = sum(prompt_tokens[:args.batch_size // args.generations] if grpo else prompt_tokens) + gen
-    matmul, copy = common.matmul_peak_of(peaks, False), peaks["copy"]["peak"]
+    matmul, copy = common.matmul_peak_of(peaks, args.bf16), peaks["copy"]["peak"]
 
     def lm(per_param: float) -> float:
         return common.linear_flops(policy, tokens, gen, per_param)
@@ -381,6 +381,9 @@ def add_flags(parser) -> None:
                          warmup=1, steps="PPO steps per run (rollout + all its epochs; default 3).", timeout=1200)
     parser.set_defaults(steps=3, repeats=1)
     parser.add_argument("--batch-size", type=int, default=4, help="Rollouts per PPO (and GRPO) step.")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 mixed precision in every trainer (`bf16=True`: fp32 weights, bf16 autocast; alignflow's "
+                             "vLLM then samples in bfloat16); the floor table then uses the bf16 matmul peak.")
     parser.add_argument("--mini-batch-size", type=int, default=4,
                         help="Rollouts per forward/backward and optimizer step.")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="PPO passes over each step's rollouts.")
@@ -439,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
                             mini_batch_size=args.mini_batch_size, ppo_epochs=args.ppo_epochs,
                             generations=args.generations, new_tokens=args.new_tokens,
                             learning_rate=args.learning_rate, max_prompt_length=args.max_prompt_length,
-                            threads=args.threads, seed=args.seed)
+                            threads=args.threads, seed=args.seed, bf16=args.bf16)
                 result = run_one(spec, work, args.threads, args.timeout, args.trl_python)
                 row = {"model": model, "trainer": trainer, "repeat": repeat}
                 if "failed" in result:
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     medians = common.median_rows([r for r in runs if "failed" not in r], ["model", "trainer"])
     settings = (f"{args.batch_size} rollouts per step, {args.ppo_epochs} PPO epochs in mini-batches of "
                 f"{args.mini_batch_size}, {args.new_tokens} new tokens each (forced), GRPO G={args.generations}, "
-                f"kl_coef {KL_COEF}, float32, {args.threads} threads, {args.steps} steps (first {args.warmup_steps} "
+                f"kl_coef {KL_COEF}, {common.precision(args.bf16)}, {args.threads} threads, {args.steps} steps (first {args.warmup_steps} "
                 "untimed, median of the rest); prompt tokens "
                 + ", ".join(f"{m}: {d['prompt_tokens']}" for m, d in data_info.items()))
     table, ratios = summarise(medians, models, trainers)

@@ -66,6 +66,27 @@ def test_hf_engine_learns_toy_task(tiny_model, tmp_path):
         assert key in history[-1], key
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_reward_model_scores_under_the_runs_autocast(tiny_model, reward_checkpoint, tmp_path, monkeypatch, bf16):
+    """With `bf16`, a reward model in `reward_funcs` runs its forward under the run's bfloat16 autocast, as the
+    policy's forwards do (and as TRL's accelerator-prepared reward models do); without it, in float32."""
+    from trainer.rewards import scorer
+
+    seen, load = [], scorer.load_reward_model
+
+    def load_and_watch(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.register_forward_pre_hook(
+            lambda module, inputs: seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                               else None))
+        return model
+
+    monkeypatch.setattr(scorer, "load_reward_model", load_and_watch)
+    run_grpo(grpo_config(tiny_model, tmp_path, max_steps=1, bf16=bf16, reward_weights=[1.0, 0.0],
+                         reward_funcs=["tests.helpers:target_frequency", reward_checkpoint]))
+    assert seen and set(seen) == {torch.bfloat16 if bf16 else None}
+
+
 def test_bf16_mixed_precision_trains_float32_weights(tiny_model, tmp_path):
     """`bf16`: log-probs come from a bfloat16 autocast forward (close to float32's, not equal),
     parameters and the saved model stay float32, and the next stage in the process can go back."""

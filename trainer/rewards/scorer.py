@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +85,13 @@ class RewardModelScorer:
 
     `__name__` is the checkpoint's folder name, which GRPO uses in metric names (`rewards/<name>/mean`),
     as TRL does for model reward functions.
+
+    `autocast`: the context each forward pass runs in; the RL stages set it to their accelerator's, so that
+    with `bf16` the reward model scores under the same autocast as the policy (TRL's GRPOTrainer prepares
+    reward models with its accelerator to the same effect). Unset: no autocast.
     """
+
+    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def __init__(self, path: str, batch_size: int = 16, max_length: int | None = None, device: str | None = None,
                  dtype: str = "float32", trust_remote_code: bool = False, label: str | None = None,
@@ -105,7 +114,8 @@ class RewardModelScorer:
 
     def rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The reward of each row: the chosen label's logit or probability. [N, T] -> [N] (float32)"""
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()  # [N, labels]
+        with self.autocast():
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()  # [N, labels]
         if self.label_score == "probability":
             logits = logits.softmax(-1)
         return logits[:, self.label_index]

@@ -29,6 +29,7 @@ from trainer.engine.completions import prompt_token_ids
 from trainer.engine.runner import StageRunner
 from trainer.errors import ConfigError, DataError
 from trainer.rewards.functions import load_reward_function, reward_names, score_completions
+from trainer.rewards.scorer import RewardModelScorer
 from trainer.rollout import SamplingConfig, make_engine
 from trainer.rollout.server_client import on_each_node, server_url
 
@@ -265,6 +266,9 @@ def load_rl_inputs(run: StageRunner, tokenizer) -> tuple[PromptSet, PromptSet | 
                                      tokenizer, config, rows=test_split_rows(config))
     funcs = [load_reward_function(spec, label=config.reward_label, label_score=config.reward_label_score)
              for spec in config.reward_funcs]
+    for fn in funcs:  # reward models score under the run's mixed precision (RewardModelScorer)
+        if isinstance(fn, RewardModelScorer):
+            fn.autocast = run.accelerator.autocast
     rewards = RewardSet(funcs, reward_names(funcs),
                         torch.tensor(config.reward_weights or [1.0] * len(funcs)))
     check_ranks(config, run.world, len(data.token_ids))
