@@ -898,8 +898,16 @@ def plot_rewards(steps: Sequence[dict], series: Sequence[tuple[str, str]], title
     bottom.set_ylabel("groups without signal")
     bottom.grid(alpha=0.3)
     bottom.legend(loc="upper right", fontsize=8)
+    save_figure(fig, settings, path, 0.04)
+
+
+def save_figure(fig, settings: str, path: Path, margin: float) -> None:
+    """`fig` with the run's `settings` in small print along its bottom `margin` (a fraction of its height),
+    written to `path` and closed."""
+    import matplotlib.pyplot as plt
+
     fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, margin, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

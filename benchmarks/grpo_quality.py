@@ -398,11 +398,7 @@ def plot_budget_curves(curves: dict[str, list[dict]], steps: dict[str, list[dict
         bottom.set_xlabel(xlabel)
         bottom.grid(alpha=0.3)
         bottom.legend(loc="lower right", fontsize=8)
-    fig.text(0.01, 0.01, settings, fontsize=6.5, color="0.35", wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, settings, path, 0.05)
 
 
 def main(argv: list[str] | None = None) -> None:
