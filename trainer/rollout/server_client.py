@@ -81,12 +81,18 @@ CHUNK_BYTES = 256 * 2**20
 CHANNELS = ("shared_memory", "group", "http")  # how sync_weights sends (module docstring), in order of preference
 
 
+def _answered_with_error(answer) -> bool:
+    """Whether the server has already answered the request that runs beside a group operation, with an error. That
+    error says why the group broke; this side's own only says that it did."""
+    return answer.done() and answer.exception() is not None
+
+
 def _wait_for_port(host: str, port: int, deadline: float, answer) -> None:
     """Until something listens at host:port (the server's worker 0 starting the group's store), or `deadline`:
     torch's own store client would retry for up to twice its timeout. Stops early if the server has answered
     (with an error: it started no store)."""
     last: OSError | None = None
-    while time.monotonic() < deadline and not (answer.done() and answer.exception() is not None):
+    while time.monotonic() < deadline and not _answered_with_error(answer):
         try:
             with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 2.0), 0.1)):
                 return
@@ -411,7 +417,7 @@ class VLLMServerEngine(EngineContext):
         except Exception as err:  # the group is broken: the next push forms a new one
             pool.shutdown(wait=False)  # the server's side fails within the group's timeout
             self._leave_group()
-            if answer.done() and answer.exception() is not None:
+            if _answered_with_error(answer):
                 raise answer.exception() from err
             raise RolloutServerError(f"the weight push over the group with the rollout server at {self.url} failed "
                                      f"({first_line(err)}); the next push forms a new group"
@@ -444,7 +450,7 @@ class VLLMServerEngine(EngineContext):
                                 device=device)
         except Exception as err:
             pool.shutdown(wait=False)  # the server gives up on its side within the same timeout
-            if answer.done() and answer.exception() is not None:
+            if _answered_with_error(answer):
                 raise answer.exception() from err
             raise RolloutServerError(
                 f"could not form the weight group with the rollout server at {host}:{port} within {self.timeout_s:g} s "

