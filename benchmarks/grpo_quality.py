@@ -136,9 +136,24 @@ class Budget:
             self.points.append({"step": step, "train_s": elapsed, "path": str(path)})
         return len(self.points) == len(self.marks)
 
+    def result(self, start: float) -> dict:
+        """The models written (`points`), the start before the clock ran (since `start`) and the writing time."""
+        return {"points": self.points, "setup_s": self.started - start, "writing_s": self.writing}
+
 
 class BudgetSpent(Exception):
-    pass
+    """Raised at the end of the step that spent the budget, with the run's metric history."""
+
+
+STEP_KEYS = ("reward", "reward_std", "rewards/exact_answer/mean", "rewards/regex/mean", "completions/mean_length",
+             "completions/clipped_ratio", "frac_reward_zero_std", "entropy", "loss", "grad_norm", "step_time",
+             "timing/generate", "timing/update", "timing/sync")  # those a trainer logs go into the result
+
+
+def step_rows(history: list[dict], clock: Budget | None) -> list[dict]:
+    """The logged steps that have a reward, with their STEP_KEYS and, in a budgeted run, their seconds on its clock."""
+    rows = [{"step": r["step"], **{k: r[k] for k in STEP_KEYS if k in r}} for r in history if "reward" in r]
+    return [{**r, "train_s": clock.at_step.get(r["step"])} for r in rows] if clock else rows
 
 
 def write_model(model, tokenizer, path: Path) -> None:
@@ -164,37 +179,28 @@ def child_train(spec: dict) -> dict:
         reward_funcs=["exact_answer", f"regex:{JUST_A_NUMBER}"], reward_weights=[1.0, spec["format_weight"]],
         seed=spec["seed"], logging_steps=1, log_completions_steps=0, save_steps=0, disable_progress_bar=True)
     start = time.perf_counter()
-    clock, runs = None, []
+    clock = None
     if budget:  # patched in this child only: the loop's first rollout starts the clock, each step end checks it
         clock = Budget(budget, spec["eval_at"], Path(spec["out_dir"]) / "budget")
         rollout, maybe_save = grpo.rollout, StageRunner.maybe_save
 
-        def timed_rollout(run, *args, **kwargs):
+        def timed_rollout(*args, **kwargs):
             clock.start()
-            runs.append(run)
-            return rollout(run, *args, **kwargs)
+            return rollout(*args, **kwargs)
 
         def budgeted_save(run, step, span=1):
             if clock.after_step(step, lambda path: write_model(run.module, run.tokenizer, path)):
-                raise BudgetSpent
+                raise BudgetSpent(run.tracker.history)
             maybe_save(run, step, span)
 
         grpo.rollout, StageRunner.maybe_save = timed_rollout, budgeted_save
     try:
         grpo.run_grpo(config)
         history = checkpoint.read_history(spec["out_dir"])
-    except BudgetSpent:
-        history = runs[-1].tracker.history
-    keys = ("reward", "reward_std", "rewards/exact_answer/mean", "rewards/regex/mean", "completions/mean_length",
-            "completions/clipped_ratio", "frac_reward_zero_std", "entropy", "loss", "grad_norm", "step_time",
-            "timing/generate", "timing/update", "timing/sync")
-    steps = [{"step": r["step"], **{k: r[k] for k in keys if k in r}} for r in history if "reward" in r]
-    if clock:
-        steps = [{**r, "train_s": clock.at_step.get(r["step"])} for r in steps]
-    out = {"steps": steps, "train_s": time.perf_counter() - start}
-    if clock:
-        out.update(points=clock.points, setup_s=clock.started - start, writing_s=clock.writing)
-    return out
+    except BudgetSpent as spent:
+        history = spent.args[0]
+    out = {"steps": step_rows(history, clock), "train_s": time.perf_counter() - start}
+    return {**out, **clock.result(start)} if clock else out
 
 
 def child_train_trl(spec: dict) -> dict:
@@ -239,14 +245,7 @@ def child_train_trl(spec: dict) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=[exact_answer, make_regex_reward(JUST_A_NUMBER)], args=args,
                           train_dataset=rows, processing_class=tokenizer, callbacks=[Budgeted()])
     trainer.train()
-    steps = [{"step": r["step"], **{k: r[k] for k in ("reward", "reward_std", "rewards/exact_answer/mean",
-                                                     "rewards/regex/mean", "completions/mean_length",
-                                                     "completions/clipped_ratio", "frac_reward_zero_std",
-                                                     "entropy", "loss", "grad_norm") if k in r},
-              "train_s": clock.at_step.get(r["step"])}
-             for r in logged if "reward" in r]
-    return {"steps": steps, "train_s": time.perf_counter() - start, "points": clock.points,
-            "setup_s": clock.started - start, "writing_s": clock.writing}
+    return {"steps": step_rows(logged, clock), "train_s": time.perf_counter() - start, **clock.result(start)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,16 +274,23 @@ def summarize(before: dict, after: dict, steps: list[dict], total: float, load: 
             "load_average_after": load[1]}
 
 
+def task_settings(args) -> str:
+    """The settings line's part that every run of this benchmark shares."""
+    return (f"G={args.generations}, {args.prompts_per_step} prompts/step, max_completion_length={args.new_tokens}, "
+            f"lr={args.learning_rate:g} constant, T={args.temperature:g}, beta=0, dapo, rewards exact_answer + "
+            f"{args.format_weight:g} x just-the-number")
+
+
 def compare_budgets(args, trainers: list[str], eval_at: list[float], train_spec: dict, before: dict,
                     evaluate: Callable[[Path, str], dict], held_out: list[dict], work: Path, started: float,
                     load_before: float) -> None:
     """Learning per CPU-minute: each trainer for `args.budget` seconds, each written model evaluated."""
-    curves, runs = {}, [{"phase": "eval before", **{k: v for k, v in before.items() if k != "completions"}}]
+    curves, steps, runs = {}, {}, [{"phase": "eval before", **{k: v for k, v in before.items() if k != "completions"}}]
+    log = common.stamped_log(started)
     start = {"step": 0, "train_s": 0.0, "accuracy": before["accuracy"], "format_rate": before["format_rate"],
              "correct": before["correct"]}
     for trainer in trainers:
         spec = dict(train_spec, budget=args.budget, eval_at=eval_at, out_dir=str(work / trainer))
-        log = common.stamped_log(started)
         log(f"{trainer}: training for {args.budget:.0f}s ...")
         trained = common.run_phase(__file__, "train" if trainer == "alignflow" else "train_trl", spec,
                                    args.timeout)
@@ -297,17 +303,14 @@ def compare_budgets(args, trainers: list[str], eval_at: list[float], train_spec:
                            "format_rate": result["format_rate"], "correct": result["correct"]})
             runs.append({"phase": f"eval {trainer} step {point['step']}",
                          **{k: v for k, v in result.items() if k not in ("completions", "correct")}})
-        curves[trainer] = points
+        curves[trainer], steps[trainer] = points, trained["steps"]
         runs.append({"phase": f"train {trainer}", **trained})
-    steps = {r["phase"].removeprefix("train "): r["steps"] for r in runs if r["phase"].startswith("train ")}
     summary = budget_summary(curves, args.budget, steps)
     json_path = args.json
     plot_path = json_path.with_name(json_path.stem + ".png")
-    settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, max_completion_length={args.new_tokens}, "
-                f"lr={args.learning_rate:g} constant, T={args.temperature:g}, beta=0, dapo, rewards exact_answer + "
-                f"{args.format_weight:g} x just-the-number, {'bf16' if args.bf16 else 'float32'}, {args.threads} CPU "
-                f"threads, budget {args.budget:.0f}s of training each (alignflow: vLLM rollouts; TRL: use_vllm=False); "
-                f"greedy eval on {len(held_out)} held-out items")
+    settings = (f"{task_settings(args)}, budget {args.budget:.0f}s of training each (alignflow: vLLM rollouts; TRL: "
+                f"use_vllm=False), {common.precision(args.bf16)}, {args.threads} CPU threads; eval greedy on "
+                f"{len(held_out)} held-out items")
     plot_budget_curves(curves, steps, settings, plot_path)
     common.write_json(json_path, "grpo_quality_budget", args, runs, [], summary=summary,
                       curves={t: [{k: v for k, v in p.items() if k != "correct"} for p in c] for t, c in curves.items()},
@@ -483,11 +486,8 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     total = common.clock() - started
     summary = summarize(before, after, trained["steps"], total, (load_before, os.getloadavg()[0]))
-    settings = (f"G={args.generations}, {args.prompts_per_step} prompts/step, {args.steps} steps, "
-                f"max_completion_length={args.new_tokens}, lr={args.learning_rate:g} constant, "
-                f"T={args.temperature:g}, beta=0, dapo, rewards exact_answer + {args.format_weight:g} x just-the-number, "
-                f"vLLM rollouts, {'bf16 mixed precision' if args.bf16 else 'float32'}, {args.threads} CPU threads; "
-                f"eval greedy on {len(held_out)} held-out items")
+    settings = (f"{task_settings(args)}, {args.steps} steps, vLLM rollouts, {common.precision(args.bf16)}, "
+                f"{args.threads} CPU threads; eval greedy on {len(held_out)} held-out items")
     items_out = [{"question": r["prompt"][0]["content"], "answer": r["answer"], "before": b, "after": a,
                   "completion_before": tb, "completion_after": ta}
                  for r, b, a, tb, ta in zip(held_out, before.pop("correct"), after.pop("correct"),

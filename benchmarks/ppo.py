@@ -24,8 +24,8 @@ and one optimizer step each: TRL per_device_train_batch_size = batch, num_mini_b
 mini, gradient_accumulation_steps 1; alignflow per_device_batch_size = mini_batch_size = mini),
 fixed KL coefficient 0.05 (k1 per-token penalty), gamma 1, lam 0.95, cliprange 0.2, cliprange_value
 0.2, vf_coef 0.1, no reward whitening, no missing-EOS penalty, temperature 1, top_k off, top_p 1,
-learning rate 3e-6 constant, float32 (`--bf16`: bf16 mixed precision in every trainer), 2 torch threads, no gradient checkpointing, no saving during
-training, no MLflow. The reward is the same sequence-classification model in every trainer: the
+learning rate 3e-6 constant, float32 (`--bf16`: bf16 mixed precision in every trainer), 2 torch threads, no
+gradient checkpointing, no saving during training, no MLflow. The reward is the same sequence-classification model in every trainer: the
 benchmarked model's backbone with a seeded random score head (`AutoModelForSequenceClassification`,
 num_labels=1), made once per run; scores are random-ish, which does not matter for timing.
 TRL's rollout forwards and generation run in chunks of `local_rollout_forward_batch_size` (its
@@ -117,7 +117,7 @@ def _alignflow_config(spec: dict, stage):
         learning_rate=spec["learning_rate"], lr_scheduler="constant", reward_funcs=[spec["reward_path"]],
         max_completion_length=spec["new_tokens"], max_prompt_length=spec["max_prompt_length"], temperature=1.0,
         top_p=1.0, top_k=-1, rollout_engine=engine, seed=spec["seed"], logging_steps=1, log_completions_steps=0,
-        save_steps=0, disable_progress_bar=True, bf16=spec.get("bf16", False))
+        save_steps=0, disable_progress_bar=True, bf16=spec["bf16"])
     if spec["trainer"].startswith("alignflow-ppo"):
         per = spec["ppo_epochs"] * spec["batch_size"] // spec["mini_batch_size"]
         return stage.PPOConfig(
@@ -259,7 +259,8 @@ def child_trl(spec: dict, started: float) -> dict:
         total_episodes=spec["steps"] * batch, response_length=spec["new_tokens"], stop_token=None,
         missing_eos_penalty=None, temperature=1.0, kl_coef=KL_COEF, kl_estimator="k1", vf_coef=0.1,
         cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95, whiten_rewards=False,
-        learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, bf16=spec.get("bf16", False), fp16=False,
+        learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, bf16=spec["bf16"],
+        fp16=False,
         use_cpu=True, gradient_checkpointing=False, seed=spec["seed"], num_sample_generations=0,
         logging_steps=10**9, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0)
@@ -459,8 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     medians = common.median_rows([r for r in runs if "failed" not in r], ["model", "trainer"])
     settings = (f"{args.batch_size} rollouts per step, {args.ppo_epochs} PPO epochs in mini-batches of "
                 f"{args.mini_batch_size}, {args.new_tokens} new tokens each (forced), GRPO G={args.generations}, "
-                f"kl_coef {KL_COEF}, {common.precision(args.bf16)}, {args.threads} threads, {args.steps} steps (first {args.warmup_steps} "
-                "untimed, median of the rest); prompt tokens "
+                f"kl_coef {KL_COEF}, {common.precision(args.bf16)}, {args.threads} threads, {args.steps} steps "
+                f"(first {args.warmup_steps} untimed, median of the rest); prompt tokens "
                 + ", ".join(f"{m}: {d['prompt_tokens']}" for m, d in data_info.items()))
     table, ratios = summarise(medians, models, trainers)
     common.print_header("PPO", settings, started, load_before)
