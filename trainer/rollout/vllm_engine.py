@@ -48,7 +48,9 @@ from trainer.rollout.base import (
     samples_per_request,
     truncate_at_stop,
 )
-from trainer.rollout.server import CPU_BLOCK_SIZE, LOGPROBS_MODE  # (server.py imports nothing heavy at load)
+
+LOGPROBS_MODE = "processed_logprobs"
+CPU_BLOCK_SIZE = 32  # the smallest vLLM-CPU's attention takes (module docstring); server.py has the same
 
 
 def vllm_available() -> bool:
