@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from trainer.cli import main as trainer_cli
+from trainer.engine import shutdown
 from trainer.errors import MissingExtra
 from trainer.extras import require
 
@@ -160,6 +161,7 @@ def _submit(target, config, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    shutdown.collect_then_freeze_at_exit()
     parser, groups = trainer_cli.make_parser()
     groups.add_parser("pipeline", help=PIPELINE_HELP, add_help=False)
     groups.add_parser("chat", help="Chat with a model: a REPL, or one reply with --prompt.", add_help=False)

@@ -20,6 +20,8 @@ import logging
 import os
 import sys
 
+from trainer.engine import shutdown
+
 # The stages `alignflow train` takes (trainer/stages/__init__.py maps them to their code; importing it
 # loads torch, so the command line reads it only when it trains).
 STAGE_NAMES = ("sft", "reward", "dpo", "grpo", "ppo")
@@ -316,6 +318,7 @@ def run_group(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    shutdown.collect_then_freeze_at_exit()
     parser, _ = make_parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     return run_group(args, rest)
