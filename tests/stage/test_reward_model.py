@@ -229,16 +229,25 @@ def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, agree
     assert runs[True][2] == runs[False][2]  # the same real tokens, none of them padding
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 def test_padding_free_is_refused_when_attention_mixes_packed_texts(tiny_model, agreement_data, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, bf16):
     """A model that ignores restarting position ids would let packed texts attend to each other: refused before
-    the first step, naming the option and its fix."""
+    the first step, naming the option and its fix; under bf16 autocast too, where the check allows for rounding."""
     import transformers.masking_utils as masking
 
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     with pytest.raises(reward.ConfigError, match="padding_free: LlamaForSequenceClassification.*`padding_free false`"):
-        run_reward(rm_config(tiny_model, agreement_data["train"], tmp_path / "mixed", padding_free=True, max_steps=2))
+        run_reward(rm_config(tiny_model, agreement_data["train"], tmp_path / "mixed", padding_free=True, max_steps=2,
+                             bf16=bf16))
     assert not (tmp_path / "mixed" / "model.safetensors").exists()
+
+
+def test_padding_free_trains_under_bf16_autocast(tiny_model, agreement_data, tmp_path):
+    """Under bf16 autocast packed and padded texts round differently; that is not attention mixing them."""
+    out = run_reward(rm_config(tiny_model, agreement_data["train"], tmp_path / "bf16", padding_free=True, max_steps=2,
+                               bf16=True))
+    assert (Path(out) / "model.safetensors").exists()
 
 
 def test_max_length_beyond_the_model_positions_names_the_field(tiny_bert, tmp_path):

@@ -179,7 +179,7 @@ class StageRunner:
         config = self.config
         distributed.seed_rank(config.seed, self.rank)
         self.module, self.tokenizer, self.total_steps, self.datasets = model, tokenizer, total_steps, datasets
-        self.heads = heads or {}
+        self.heads, self._wrap = heads or {}, wrap
         trained = torch.nn.ModuleList([model, *self.heads.values()]) if self.heads else model
         optimizer = build_optimizer(trained, config)
         self.scheduler = build_scheduler(optimizer, config, total_steps)
@@ -197,6 +197,15 @@ class StageRunner:
                                  config.disable_progress_bar or not self.is_main)
         self.tracker  # noqa: B018 (opens the MLflow run now that setup can no longer fail)
         return self.model
+
+    def model_without_autocast(self) -> torch.nn.Module:
+        """What `self.model` runs, in the weights' own precision: float32 master weights stay float32 under
+        bf16/fp16 mixed precision, whose autocast accelerate puts in the prepared model's forward. For checks
+        that must not mistake half-precision rounding for a fault. Under ZeRO-3 `self.model` itself, whose
+        engine alone gathers the sharded parameters."""
+        if self.runtime["zero_stage"] == 3:
+            return self.model
+        return self._wrap(self.module) if self._wrap else self.module
 
     @functools.cached_property
     def tracker(self):

@@ -260,12 +260,16 @@ def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int, dev
     """Whether `model` scores packed sequences as it scores padded ones, i.e. its attention builds
     the block-diagonal mask from restarting position ids (transformers' models do; some
     remote-code models do not, and would let packed sequences attend to each other). Checked on
-    the shortest few pairs, which pack several sequences per row and cost little to score twice."""
+    the shortest few pairs, which pack several sequences per row and cost little to score twice.
+
+    The measure is the mean absolute difference per completion token. SmolLM2-135M on HH pairs:
+    < 1e-6 nats in float32, 1e-3 to 3e-3 in bfloat16 (the two layouts round differently), 0.68 when
+    packed sequences attend to each other."""
     indices = sorted(range(len(data)), key=data.pair_length)[:4]
     with eval_mode(model), torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
         padded = sequence_logps(model, to_device(collate(data, indices, pad_id), device), with_logits=False)
         packed = sequence_logps(model, to_device(collate(data, indices, pad_id, pack_to), device), with_logits=False)
-    per_token = float(((padded.logps - packed.logps).abs() / padded.lengths.clamp(min=1)).max())
+    per_token = float((padded.logps - packed.logps).abs().sum() / padded.lengths.sum().clamp(min=1))
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
     if per_token > tolerance:
         log.warning("padding_free is off: %s scores packed sequences differently from padded ones (%.3g nats per "
@@ -441,7 +445,7 @@ def run_dpo(config: DPOConfig) -> str:
                     wrap=TargetLM)
         pad_id = tokenizer.pad_token_id
         pack_to = config.max_length if config.padding_free else 0
-        if pack_to and not packing_is_exact(run.model, train_data, pad_id, pack_to, run.device):
+        if pack_to and not packing_is_exact(run.model_without_autocast(), train_data, pad_id, pack_to, run.device):
             pack_to = 0
         reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)
 

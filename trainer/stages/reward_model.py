@@ -326,7 +326,7 @@ def run_reward(config: RewardConfig) -> str:
         pad_id = tokenizer.pad_token_id
         pack_to = config.max_length if config.padding_free else 0
         if pack_to:
-            check_packed_rewards(run.model, train_data, pad_id, pack_to, run.device)
+            check_packed_rewards(run.model_without_autocast(), train_data, pad_id, pack_to, run.device)
 
         # 3. The loop.
         evaluate_now = (lambda: evaluate(run, eval_data, pad_id, pack_to)) if eval_data else None
