@@ -43,6 +43,7 @@ import torch
 from trainer.engine import attention, distributed, hub, identity
 from trainer.engine import checkpoint as ckpt
 from trainer.engine.loop import MetricWindow, build_optimizer, build_scheduler, set_seed, step_batches
+from trainer.engine.models import eval_mode
 from trainer.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignal
 from trainer.errors import TrainingError
 from trainer.io import storage
@@ -65,6 +66,16 @@ def to_device(batch, device):
     moved = {f.name: value.to(device) for f in dataclasses.fields(batch)
              if isinstance(value := getattr(batch, f.name), torch.Tensor) and value.device != device}
     return dataclasses.replace(batch, **moved) if moved else batch
+
+
+def score_both_layouts(model, score, collate, data, pad_id: int, pack_to: int, device) -> tuple:
+    """(padded, packed): `score(model, batch)` of the shortest few pairs of `data` (`TokenizedPairs`), collated
+    padded and packed into rows of `pack_to`. A stage compares the two before it trusts `padding_free`: a model
+    whose attention ignores restarting position ids lets packed sequences attend to each other. The shortest
+    pairs pack several sequences per row and cost little to score twice."""
+    indices = sorted(range(len(data)), key=data.pair_length)[:4]
+    with eval_mode(model), torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+        return tuple(score(model, to_device(collate(data, indices, pad_id, width), device)) for width in (0, pack_to))
 
 
 class StageRunner:

@@ -50,11 +50,10 @@ from trainer.engine.models import (
     apply_lora,
     count_parameters,
     disable_dropout,
-    eval_mode,
     load_reward_model,
     model_and_tokenizer,
 )
-from trainer.engine.runner import StageRunner, to_device
+from trainer.engine.runner import StageRunner, score_both_layouts, to_device
 from trainer.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
@@ -193,12 +192,9 @@ def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def check_packed_rewards(model, data: TokenizedPairs, pad_id: int, pack_to: int, device="cpu") -> None:
     """Refuse `padding_free` when `model` scores packed texts differently from padded ones, i.e. its
     attention does not build the block-diagonal mask from restarting position ids (transformers'
-    decoders do; some remote-code models do not). Checked on the shortest few pairs, which pack
-    several texts per row and cost little to score twice."""
-    indices = sorted(range(len(data)), key=data.pair_length)[:4]
-    with eval_mode(model), torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
-        padded = torch.cat(pair_rewards(model, to_device(collate(data, indices, pad_id), device)))
-        packed = torch.cat(pair_rewards(model, to_device(collate(data, indices, pad_id, pack_to), device)))
+    decoders do; some remote-code models do not)."""
+    padded, packed = score_both_layouts(model, lambda m, batch: torch.cat(pair_rewards(m, batch)), collate,
+                                        data, pad_id, pack_to, device)
     error = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
     if error > tolerance:
