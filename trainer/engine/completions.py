@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.logprobs import entropy, selective_log_softmax, target_logits, to_padded
+from trainer.algorithms.logprobs import log_probs_and_entropy, selective_log_softmax, target_logits, to_padded
 from trainer.data.chat_templates import is_conversational, render_chat
 from trainer.engine.attention import SHARED_ATTENTION, share_prompts
 
@@ -151,9 +151,12 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
         out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
         out_rows, out_cols = out.rows, out.cols
-    logps = to_padded(selective_log_softmax(out.logits, out.targets, temperature), out_rows, out_cols, input_ids.shape)
-    ent = float(entropy(out.logits, temperature).mean()) if with_entropy and out.targets.numel() else None
-    return logps, ent
+    if with_entropy:
+        target_logps, token_entropy = log_probs_and_entropy(out.logits, out.targets, temperature)
+        ent = float(token_entropy.mean()) if out.targets.numel() else None
+    else:
+        target_logps, ent = selective_log_softmax(out.logits, out.targets, temperature), None
+    return to_padded(target_logps, out_rows, out_cols, input_ids.shape), ent
 
 
 # Longest shared-prompt row: its [T, T] attention mask and the attention over it grow with T^2.
