@@ -151,12 +151,7 @@ class _TargetLogSoftmax(torch.autograd.Function):
         logps = logits.new_empty(n, dtype=torch.float32)
         lse = logits.new_empty(n, dtype=torch.float32)
         ent = logits.new_empty(n if with_entropy else 0, dtype=torch.float32)
-        block = _block_rows(logits)
-        for start in range(0, n, block):
-            rows = slice(start, start + block)
-            x = logits[rows].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                x.div_(temperature)
+        for rows, x in _float_blocks(logits, temperature):
             lse[rows] = torch.logsumexp(x, dim=-1)
             logps[rows] = x.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
             if with_entropy:
@@ -171,12 +166,7 @@ class _TargetLogSoftmax(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy):
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        block = _block_rows(logits)
-        for start in range(0, logits.shape[0], block):
-            rows = slice(start, start + block)
-            x = logits[rows].to(torch.float32, copy=True)
-            if ctx.temperature != 1.0:
-                x.div_(ctx.temperature)
+        for rows, x in _float_blocks(logits, ctx.temperature):
             g = grad_logps[rows, None]
             x.sub_(lse[rows, None]).exp_().mul_(-g)  # d/dx (x[t] - lse) = onehot(t) - softmax(x)
             x.scatter_add_(-1, targets[rows, None], g)
@@ -184,6 +174,17 @@ class _TargetLogSoftmax(torch.autograd.Function):
                 x.div_(ctx.temperature)
             grad[rows] = x
         return grad, None, None, None
+
+
+def _float_blocks(logits: torch.Tensor, temperature: float):
+    """(rows, logits[rows] / temperature as a new float32 tensor) for each block of `_block_rows` rows."""
+    block = _block_rows(logits)
+    for start in range(0, logits.shape[0], block):
+        rows = slice(start, start + block)
+        x = logits[rows].to(torch.float32, copy=True)
+        if temperature != 1.0:
+            x.div_(temperature)
+        yield rows, x
 
 
 def _block_rows(logits: torch.Tensor) -> int:
