@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.logprobs import TargetLM, selective_log_softmax, sequence_sums, target_logits
+from trainer.algorithms.logprobs import TargetLM, log_probs_and_stats, sequence_sums, target_logits
 from trainer.algorithms.preference import DPO_LOSSES, DPOLossType, dpo_loss, dpo_option_problem
 from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import lay_out_rows
@@ -190,14 +190,11 @@ class SequenceLogps:
 def sequence_logps(model, batch: DPOBatch, with_logits: bool = True) -> SequenceLogps:
     """One forward over all 2B sequences; the LM head runs only where a completion token is predicted."""
     out = target_logits(model, batch.input_ids, batch.completion_mask, batch.attention_mask, batch.position_ids)
-    token_logps = selective_log_softmax(out.logits, out.targets)  # [N]
+    token_logps, row = log_probs_and_stats(out.logits, out.targets, ("mean",) if with_logits else ())  # [N]
     owner = batch.sequence[out.rows, out.cols]  # [N]
     num = 2 * batch.num_pairs
     lengths = sequence_sums(torch.ones_like(token_logps.detach()), owner, num)
-    logit_sums = None
-    if with_logits:
-        with torch.no_grad():
-            logit_sums = sequence_sums(out.logits.float().mean(-1), owner, num)
+    logit_sums = sequence_sums(row["mean"], owner, num) if with_logits else None
     return SequenceLogps(sequence_sums(token_logps, owner, num), lengths, logit_sums)
 
 

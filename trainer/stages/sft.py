@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algorithms.logprobs import TargetLM, log_probs_and_entropy, target_logits
+from trainer.algorithms.logprobs import TargetLM, log_probs_and_stats, target_logits
 from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import TokenizedSFT, pack_best_fit, tokenize_sft
 from trainer.data.sources import describe_datasets, load_train_eval
@@ -121,13 +121,12 @@ def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: 
 def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Summed negative log-likelihood of the batch's targets, and detached statistics."""
     out = target_logits(model, batch.input_ids, batch.target_mask, batch.attention_mask, batch.position_ids)
-    logps, token_entropy = log_probs_and_entropy(out.logits, out.targets)  # [N], [N]
-    with torch.no_grad():
-        stats = {
-            "entropy_sum": float(token_entropy.sum()),
-            "correct": float((out.logits.argmax(-1) == out.targets).sum()),
-            "targets": float(out.targets.numel()),
-        }
+    logps, row = log_probs_and_stats(out.logits, out.targets, ("entropy", "argmax"))  # [N], {[N]}
+    stats = {
+        "entropy_sum": float(row["entropy"].sum()),
+        "correct": float((row["argmax"] == out.targets).sum()),
+        "targets": float(out.targets.numel()),
+    }
     return -logps.sum(), stats
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.algorithms import logprobs
-from trainer.algorithms.logprobs import log_probs_and_entropy, selective_log_softmax
+from trainer.algorithms.logprobs import log_probs_and_entropy, log_probs_and_stats, selective_log_softmax
 
 
 def whole_tensor(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -39,6 +39,25 @@ def test_log_probs_and_gradients_match_whole_tensor_ops_in_blocks(monkeypatch, d
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
     assert torch.equal(ours.detach(), start), "the logits are not changed in place"
     assert torch.equal(selective_log_softmax(start, targets, temperature), ref_logps.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_and_mean_match_whole_tensor_ops_ties_included(monkeypatch, dtype):
+    """SFT's token accuracy and DPO's logits/* come from the blocks: the same values as the whole-tensor ops."""
+    monkeypatch.setattr(logprobs, "_block_rows", lambda logits: 3)
+    torch.manual_seed(1)
+    logits = torch.randint(-3, 4, (10, 64)).to(dtype)  # few distinct values: every row's maximum is tied
+    logits[0] = torch.randn(64).to(dtype)
+    targets = logits.argmax(-1).roll(1)
+    targets[1] = logits[1].eq(logits[1].max()).nonzero()[-1, 0]  # a maximum that is not the first one
+    logps, row = log_probs_and_stats(logits.requires_grad_(), targets, ("argmax", "mean", "entropy"))
+    assert torch.equal(row["argmax"], logits.detach().argmax(-1))
+    assert row["argmax"][1] != targets[1], "a tie before the target is a miss, as with torch.argmax"
+    assert torch.equal(row["mean"], logits.detach().float().mean(-1))
+    assert torch.equal(logps, whole_tensor(logits.detach(), targets, 1.0)[0])
+    assert not any(value.requires_grad for value in row.values())
+    with pytest.raises(ValueError, match="unknown row statistics \\['top1'\\]"):
+        log_probs_and_stats(logits, targets, ("top1",))
 
 
 def test_without_gradients_and_without_targets():
