@@ -125,6 +125,17 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, toy_prompts, referen
         assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-4)
 
 
+def test_padding_free_sft_two_ranks_under_zero3_match_one(tiny_model, toy_prompts, reference_run):
+    """Padding-free SFT on the CPU: each rank's micro-batch is one packed row whose bounds reach the attention
+    through DeepSpeed's engine and the TargetLM wrapper; two ranks train what one trains."""
+    free = ("--padding_free", "true")
+    reference = reference_run("sft", *run_args("sft", tiny_model, toy_prompts, False), *free)
+    out = reference_run("sft", *run_args("sft", tiny_model, toy_prompts, False, "zero3"), *free)
+    assert json.loads((out / ckpt.MANIFEST).read_text())["zero_stage"] == 3
+    assert max_difference(weights(out), weights(reference)) < 1e-4
+    assert max_difference(weights(reference), weights(tiny_model)) > 1e-3
+
+
 @pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero3"), ("reward_model", "zero3")])
 def test_ppo_two_ranks_under_zero_match_one(critic, mode, tiny_model, toy_prompts, reward_checkpoint, reference_run,
                                             tmp_path):

@@ -57,8 +57,9 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_model, tmp_path):
 
 
 def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, tmp_path, monkeypatch):
-    """`padding_free`: each micro-batch's examples packed into rows of at most `max_length`, with the padded
-    batches' loss and weights (float rounding apart); the packed rows: tests/unit/trainer/stages/test_sft.py."""
+    """`padding_free` on the CPU: each micro-batch's examples packed into one row, their attention run apart
+    (`per_sequence_attention`), with the padded batches' loss and weights (float rounding apart); the packed rows:
+    tests/unit/trainer/stages/test_sft.py."""
     from trainer.stages import sft
 
     trained_on, build = [], sft.micro_batch
@@ -70,8 +71,11 @@ def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, tmp_p
         run_sft(sft_config(tiny_model, out, padding_free=free, max_steps=3, per_device_batch_size=4,
                            gradient_accumulation_steps=2, logging_steps=1))
         assert len(trained_on) == 6
-        assert all(len(b.input_ids) < 4 and b.input_ids.shape[1] <= 128 for b in trained_on) if free else \
-            {len(b.input_ids) for b in trained_on} == {4}
+        if free:
+            assert all(len(b.input_ids) == 1 and b.bounds[-1] == b.input_ids.shape[1] == b.num_tokens
+                       and len(b.bounds) == 5 for b in trained_on)
+        else:
+            assert {len(b.input_ids) for b in trained_on} == {4} and all(b.bounds is None for b in trained_on)
         runs[free] = (weights(out), [r["loss"] for r in history(out) if "loss" in r],
                       [r["num_tokens"] for r in history(out) if "num_tokens" in r])
     start = load_file(Path(tiny_model) / "model.safetensors")

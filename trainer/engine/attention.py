@@ -90,6 +90,10 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
 # block by block instead of over the dense [T, T] mask, and the forward kwarg that carries the layout.
 SHARED_ATTENTION = "alignflow_shared_prompt"
 SHARED_LAYOUT_KWARG = "shared_prompt_layout"
+# The forward kwarg that marks a single row of packed sequences: their cumulative lengths [S + 1] (transformers'
+# name for it, which its flash-attention kernels read too). `shared_prompt_attention` then runs each sequence as
+# a row of a padded batch (`per_sequence_attention`).
+PACKED_BOUNDS_KWARG = "cu_seq_lens_q"
 
 
 def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,7 +102,8 @@ def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     """Attention over a `SharedPrompts` row in blocks: the prompt attends to itself, and each
     completion block to the prompt and to itself, so the attention costs P^2 + G*C*(P + C)
     instead of (P + G*C)^2; the blocks of the 4D mask outside these are never read (the mask
-    hides them anyway). Without the layout kwarg (generation, other stages) it is plain sdpa.
+    hides them anyway). With `PACKED_BOUNDS_KWARG` instead (one row of packed sequences), each sequence runs as
+    a row of a padded batch (`per_sequence_attention`). Without either (generation, other stages) it is plain sdpa.
 
     On CPU in bfloat16/float16 it runs as explicit matmuls (`_matmul_attention`): there torch's
     fused SDPA kernel takes 2-3x longer at these sizes, mostly in its backward. Rows without the layout
@@ -109,7 +114,10 @@ def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = kwargs.pop(SHARED_LAYOUT_KWARG, None)
+    bounds = kwargs.pop(PACKED_BOUNDS_KWARG, None)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if bounds is not None and layout is None and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
+        return per_sequence_attention(module, query, key, value, bounds, dropout, scaling), None
     dtype = _cpu_half_dtype(query)
     if layout is None and dtype is not None and torch.is_grad_enabled() and query.shape[2] == key.shape[2] \
             and (attention_mask is None or attention_mask.dim() == 4):
@@ -244,6 +252,38 @@ def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         allowed = torch.ones(T, T, dtype=torch.bool, device=query.device)
         mask = _additive(allowed.tril() if causal else allowed, query.dtype)[None, None]
     return _matmul_attention(query, key, value, mask, dropout, scaling, P=T, G=1).transpose(1, 2).contiguous()
+
+
+def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           bounds: torch.Tensor, dropout: float, scaling: float) -> torch.Tensor:
+    """Causal attention within each of the S sequences packed into one row, run as a padded batch of S rows:
+    query [1, H, N, D], key/value [1, H_kv, N, D], `bounds` [S + 1] the sequences' cumulative lengths
+    -> [1, N, H, D]. The same attention as the row's block-diagonal mask gives, at the cost of S rows of the
+    longest sequence's width instead of one of all N: in one packed row the linears skip the padding, and the
+    attention costs what a padded batch's does. Dense matmuls on the CPU in half precision with gradients
+    (`dense_attention`), else sdpa."""
+    N = query.shape[2]
+    lengths = bounds.diff()
+    S, T = len(lengths), int(lengths.max())
+    col = torch.arange(T, device=query.device)
+    real = col[None] < lengths[:, None]  # [S, T]
+    index = (bounds[:-1, None] + col[None]).clamp(max=N - 1).flatten()  # row position of each padded slot
+    dtype = _cpu_half_dtype(query)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [S, h, T, D]
+        x = x[0] if dtype is None else x[0].to(dtype)
+        return x.index_select(1, index).unflatten(1, (S, T)).transpose(0, 1)
+
+    q, k, v = padded(query), padded(key), padded(value)
+    allowed = (torch.ones(T, T, dtype=torch.bool, device=query.device).tril()[None] & real[:, None, :])[:, None]
+    out = dense_attention(module, q, k, v, allowed, dropout, scaling) if dtype and torch.is_grad_enabled() else None
+    if out is None:
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        groups = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed,
+                                             dropout_p=dropout, scale=scaling).transpose(1, 2)  # [S, T, H, D]
+    return out.reshape(S * T, *out.shape[2:])[real.flatten()][None]
 
 
 def register_shared_attention() -> str:

@@ -9,13 +9,16 @@ gradient accumulation gives the same update as one large batch.
 Departures from TRL's SFTTrainer, all for speed: the LM head runs only at target positions
 (`trainer.algorithms.logprobs.target_logits`), and packing uses best-fit-decreasing bins with position ids
 restarting per example, so no example attends to another (transformers builds the
-block-diagonal mask from the position ids).
+block-diagonal mask from the position ids). `padding_free` packs each micro-batch on the CPU into one row
+whose examples' attention runs apart (`trainer.engine.attention.per_sequence_attention`): the linears skip
+the padding (SmolLM2, bf16, 4 GSM8K examples a step: -7 to -9% a step).
 
 Read top to bottom: config, data, model, loop, save.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ from trainer.algorithms.logprobs import TargetLM, log_probs_and_stats, target_lo
 from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import TokenizedSFT, pack_best_fit, tokenize_sft
 from trainer.data.sources import describe_datasets, load_train_eval
+from trainer.engine.attention import PACKED_BOUNDS_KWARG
 from trainer.engine.loop import total_steps
 from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
 from trainer.engine.runner import StageRunner, to_device
@@ -42,10 +46,11 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
     packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
                               "(no attention across examples).")
-    padding_free: bool = option(False, "Pack each micro-batch's examples into rows of at most `max_length` tokens, "
-                                       "position ids restarting per example, instead of padding each example to "
-                                       "the longest (TRL's name; no attention across examples). The same loss "
-                                       "with less compute when lengths vary; `packing` packs across the dataset.")
+    padding_free: bool = option(False, "Pack each micro-batch's examples into one row (on the CPU; elsewhere rows "
+                                       "of at most `max_length` tokens), position ids restarting per example, "
+                                       "instead of padding each example to the longest (TRL's name; no attention "
+                                       "across examples). The same loss with less compute when lengths vary; "
+                                       "`packing` packs across the dataset.")
     num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
                                         "(0 = none).")
     sample_max_new_tokens: int = option(48, "Length of those sample completions.")
@@ -69,6 +74,12 @@ class SFTBatch:
     attention_mask: torch.Tensor | None  # [B, T] padded rows; None for packed rows
     position_ids: torch.Tensor | None  # [B, T] restarting per packed example; None when not packed
     num_tokens: int  # real tokens, padding excluded
+    bounds: torch.Tensor | None = None  # [S + 1] cumulative example lengths when one row holds S examples, no padding
+
+    @property
+    def model_kwargs(self) -> dict | None:
+        """Passed to the model's forward: the attention runs each example of a single packed row apart."""
+        return {PACKED_BOUNDS_KWARG: self.bounds} if self.bounds is not None else None
 
 
 def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool) -> SFTBatch:
@@ -108,11 +119,17 @@ def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool
     return SFTBatch(input_ids, target_mask, attention, None, num_tokens)
 
 
-def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: SFTConfig) -> SFTBatch:
+def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: SFTConfig,
+                one_row: bool = False) -> SFTBatch:
     """A micro-batch of `rows` (see `collate`): packed rows as they are; with `padding_free`, its examples packed
-    into rows of at most `max_length` tokens (best fit); padded otherwise."""
+    into one row (`one_row`, with their `bounds`) or into rows of at most `max_length` tokens (best fit); padded
+    otherwise."""
     if config.padding_free and not config.packing:
         examples = [i for members in rows for i in members]
+        if one_row:
+            batch = collate(data, [examples], pad_id, packed=True)
+            batch.bounds = torch.tensor([0, *itertools.accumulate(int(data.lengths[i]) for i in examples)])
+            return batch
         fit = pack_best_fit([int(data.lengths[i]) for i in examples], config.max_length)
         return collate(data, [[examples[j] for j in sorted(row)] for row in fit], pad_id, packed=True)
     return collate(data, rows, pad_id, config.packing)
@@ -120,7 +137,8 @@ def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: 
 
 def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Summed negative log-likelihood of the batch's targets, and detached statistics."""
-    out = target_logits(model, batch.input_ids, batch.target_mask, batch.attention_mask, batch.position_ids)
+    out = target_logits(model, batch.input_ids, batch.target_mask, batch.attention_mask, batch.position_ids,
+                        model_kwargs=batch.model_kwargs)
     logps, row = log_probs_and_stats(out.logits, out.targets, ("entropy", "argmax"))  # [N], {[N]}
     stats = {
         "entropy_sum": float(row["entropy"].sum()),
@@ -183,7 +201,11 @@ def _prompt_texts(rows, tokenizer, n: int) -> list[str]:
 def train_step(run: StageRunner, units: list[list[int]], data: TokenizedSFT, pad_id: int) -> dict[str, float]:
     """One optimizer step over this rank's share of the step's micro-batches; returns the step's metrics."""
     step = run.state.global_step + 1
-    micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config), part.weight)
+    # Padding-free on the CPU: one row per micro-batch, each example's attention run apart
+    # (`per_sequence_attention`). Elsewhere rows of at most max_length, as transformers builds their
+    # block-diagonal mask over the whole row (and flash attention would read `bounds` its own way).
+    one_row = run.device.type == "cpu"
+    micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config, one_row), part.weight)
              for part in run.rank_batches(len(units), step)]
     # The loss is summed over the step's target tokens on all ranks, divided by their number
     # (x world size: DDP and DeepSpeed average the ranks' gradients). collate zeroes position 0.

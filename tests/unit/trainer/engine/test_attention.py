@@ -7,8 +7,10 @@ import torch
 
 from trainer.engine.attention import (
     DENSE_PROBS_BUDGET,
+    PACKED_BOUNDS_KWARG,
     SHARED_ATTENTION,
     dense_attention,
+    per_sequence_attention,
     register_shared_attention,
     share_prompts,
     shared_prompt_attention,
@@ -184,3 +186,64 @@ def test_training_forwards_on_cpu_in_bfloat16_run_dense_attention(tiny_model):
     assert torch.equal(scored, sdpa[1])
     assert not torch.equal(trained[keep], sdpa[0][keep])
     torch.testing.assert_close(trained[keep], sdpa[0][keep], atol=5e-2 * float(sdpa[0].abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_sequence_attention_is_the_block_diagonal_attention_of_the_row(dtype):
+    """One row of packed sequences run as a padded batch (sdpa in float32; dense matmuls in bf16 with gradients):
+    the output and gradients of causal attention under the row's block-diagonal mask, with GQA heads."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, H, Hkv, D = [5, 1, 9, 3], 6, 2, 8
+    N = sum(lengths)
+    q, weights = torch.randn(1, H, N, D, generator=gen), torch.randn(1, N, H, D, generator=gen)
+    k, v = torch.randn(1, Hkv, N, D, generator=gen), torch.randn(1, Hkv, N, D, generator=gen)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    block = (seq[:, None] == seq[None, :]) & torch.ones(N, N, dtype=torch.bool).tril()
+    bounds = torch.tensor([0, 5, 6, 15, 18])
+    module = torch.nn.Module()
+    ours = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    out = per_sequence_attention(module, *ours, bounds, 0.0, D ** -0.5)
+    grads = torch.autograd.grad((out.float() * weights).sum(), ours)
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(exact[0], repeat_kv(exact[1], 3), repeat_kv(exact[2], 3),
+                                         attn_mask=block[None, None], scale=D ** -0.5).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * weights.double()).sum(), exact)
+    assert out.shape == (1, N, H, D) and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=0)
+    for grad, expected in zip(grads, ref_grads):
+        assert (grad.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_packed_row_with_bounds_gives_each_example_its_own_hidden_states(tiny_model, autocast, monkeypatch):
+    """A model with `use_alignflow_attention`, given one packed row, restarting position ids and the bounds kwarg,
+    runs `per_sequence_attention` in every layer and gives each example the hidden states it gets in a row of its
+    own (float32; bf16 autocast with gradients)."""
+    from trainer.engine import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "per_sequence_attention",
+                        lambda *args: calls.append(args[4].tolist()) or per_sequence_attention(*args))
+    model = load_causal_lm(tiny_model, "float32")
+    use_alignflow_attention(model)
+    gen = torch.Generator().manual_seed(0)
+    examples = [torch.randint(5, model.config.vocab_size, (n,), generator=gen) for n in (7, 3, 12)]
+    bounds = torch.tensor([0, 7, 10, 22])
+    row = torch.cat(examples)[None]
+    positions = torch.cat([torch.arange(len(e)) for e in examples])[None]
+
+    def hidden(ids, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model.model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state.float().detach()[0]
+
+    packed = hidden(row, position_ids=positions, **{PACKED_BOUNDS_KWARG: bounds})
+    assert calls == [bounds.tolist()] * model.config.num_hidden_layers
+    alone = torch.cat([hidden(e[None]) for e in examples])
+    scale = float(alone.abs().max())
+    torch.testing.assert_close(packed, alone, atol=(5e-2 if autocast else 1e-5) * scale, rtol=0)
+    leaky = hidden(row)  # no restarting positions, no bounds: the examples attend to each other
+    assert (leaky[7:] - alone[7:]).abs().max() > 0.1 * scale

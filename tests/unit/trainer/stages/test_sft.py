@@ -1,10 +1,13 @@
 """SFT batches without training: packed rows attend only within their example; a padding-free micro-batch is its
-examples packed into rows of at most max_length."""
+examples packed into rows of at most max_length, or into one row."""
+
+import itertools
 
 import torch
 
 from trainer.data.formatting import tokenize_sft
 from trainer.data.sources import load_rows
+from trainer.engine.attention import use_alignflow_attention
 from trainer.engine.models import load_causal_lm, load_tokenizer
 from trainer.stages.sft import SFTConfig, collate, micro_batch, token_loss
 
@@ -35,6 +38,15 @@ def test_a_padding_free_micro_batch_packs_its_examples_into_rows_of_max_length(t
         torch.testing.assert_close(token_loss(model, free)[0], token_loss(model, padded)[0], atol=1e-4, rtol=1e-5)
     assert free.num_tokens == padded.num_tokens == sum(lengths)
     assert int(free.target_mask.sum()) == int(padded.target_mask.sum())
+    # On the CPU the stage puts them all in one row with their bounds; the attention runs each apart, or (plain
+    # sdpa, which ignores the bounds) under the block-diagonal mask of the restarting position ids.
+    one = micro_batch(data, [[i] for i in range(8)], pad, config, one_row=True)
+    assert one.input_ids.shape == (1, sum(lengths)) and one.bounds.tolist() == [0, *itertools.accumulate(lengths)]
+    for attention in ("sdpa", "alignflow"):
+        if attention == "alignflow":
+            use_alignflow_attention(model)
+        with torch.no_grad():
+            torch.testing.assert_close(token_loss(model, one)[0], token_loss(model, padded)[0], atol=1e-4, rtol=1e-5)
 
 
 def test_a_packed_batch_counts_only_its_real_tokens(tiny_model):
