@@ -9,7 +9,8 @@ it on by default; alignflow does not), and both save the final model. `--bf16` g
 trainers bf16 mixed precision instead (`bf16=True` in both configs: float32 weights, gradients
 and AdamW state, forward and backward under bfloat16 autocast; TRL's own default on hardware
 with bf16). Every run is its own process, so each peak RSS belongs to one trainer; runs
-alternate between the trainers and the table shows medians over `--repeats`.
+alternate between the trainers and the table shows medians over `--repeats`. The `alignflow-free`
+trainer is alignflow with `padding_free` (unpacked runs: on the CPU each micro-batch is one row).
 
 What is timed: the training steps only, as the time between the ends of consecutive optimizer
 steps (batch building, forward, backward, clipping, optimizer and scheduler), leaving out the
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import common
 
-TRAINERS = ("alignflow", "trl")
+TRAINERS = ("alignflow", "alignflow-free", "trl")  # alignflow-free: padding_free (unpacked runs)
 DEFAULT_STEPS = {"tiny": 30, "smollm2": 4}  # about 10 minutes for everything on 2 idle cores
 
 
@@ -74,7 +75,7 @@ def child_alignflow(spec: dict, started: float) -> dict:
         gradient_accumulation_steps=spec["grad_accum"], learning_rate=spec["learning_rate"],
         lr_scheduler="linear", warmup_ratio=0.0, max_length=spec["max_length"], packing=spec["packing"],
         completion_only_loss=True, seed=spec["seed"], num_sample_completions=0, disable_progress_bar=True,
-        logging_steps=10**9, save_steps=0)
+        logging_steps=10**9, save_steps=0, padding_free=spec["trainer"] == "alignflow-free")
     sft.run_sft(config)
     done = common.clock()
     loss = next((r["loss"] for r in reversed(checkpoint.read_history(spec["out_dir"])) if "loss" in r), None)
@@ -148,9 +149,10 @@ def summarise(medians: list[dict]) -> str:
     for (model, packing, trainer), med in by_key.items():
         layout = "bfd" if packing else "no"
         rows.append([model, layout, f"{trainer} (n={med['n']})", *(med.get(key) for key, _ in COLUMNS)])
-        if trainer == "trl" and (ours := by_key.get((model, packing, "alignflow"))):
-            rows.append([model, layout, "alignflow/TRL",
-                         *(None if key in SANITY else common.ratio(ours, med, key) for key, _ in COLUMNS)])
+        for name in ("alignflow", "alignflow-free"):
+            if trainer == "trl" and (ours := by_key.get((model, packing, name))):
+                rows.append([model, layout, f"{name}/TRL",
+                             *(None if key in SANITY else common.ratio(ours, med, key) for key, _ in COLUMNS)])
     return common.format_table(headers, rows)
 
 
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="Mixed precision in both trainers: `bf16=True` (bfloat16 autocast, float32 weights).")
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl,
+        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "alignflow-free": child_alignflow,
+                                                          "trl": child_trl,
                                                           "probe": common.child_probe})
 
     models = common.parse_list(args.models, list(DEFAULT_STEPS), "model")
