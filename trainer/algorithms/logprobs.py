@@ -160,7 +160,7 @@ class _TargetLogSoftmax(torch.autograd.Function):
     float32 ops per row), and so are the argmax and the mean; the entropy agrees to ~1e-5. SmolLM2's head
     (49k vocabulary) on this 2-core CPU, bf16 logits, forward + backward: 441 targets 489 -> 84 ms with the
     entropy (221 ms without it before), 1024 targets 954 -> 186 ms. Over 700 rows, an argmax of the bf16 logits
-    takes 62 ms and a float32 mean 45 ms; in the blocks, 17 and 3 ms.
+    takes 63 ms and a float32 mean 45 ms; in the blocks they add 12 and 3.5 ms.
     """
 
     @staticmethod

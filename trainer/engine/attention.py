@@ -276,7 +276,8 @@ def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value
 
     q, k, v = padded(query), padded(key), padded(value)
     allowed = (torch.ones(T, T, dtype=torch.bool, device=query.device).tril()[None] & real[:, None, :])[:, None]
-    out = dense_attention(module, q, k, v, allowed, dropout, scaling) if dtype and torch.is_grad_enabled() else None
+    grad = dtype is not None and torch.is_grad_enabled()
+    out = dense_attention(module, q, k, v, allowed, dropout, scaling) if grad else None
     if out is None:
         from transformers.integrations.sdpa_attention import repeat_kv
 
