@@ -141,14 +141,6 @@ def log_probs_and_stats(logits: torch.Tensor, targets: torch.Tensor, stats: tupl
     return logps, dict(zip(stats, values))
 
 
-def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`selective_log_softmax` and, detached, the entropy of each row's softmax(logits / temperature), in one
-    pass over the logits. [N, V], [N] -> [N], [N] float32"""
-    logps, stats = log_probs_and_stats(logits, targets, ("entropy",), temperature)
-    return logps, stats["entropy"]
-
-
 class _TargetLogSoftmax(torch.autograd.Function):
     """log softmax(logits / T)[target] (and `ROW_STATS`) a block of rows at a time, in float32.
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.algorithms.logprobs import log_probs_and_entropy, selective_log_softmax, target_logits, to_padded
+from trainer.algorithms.logprobs import log_probs_and_stats, target_logits, to_padded
 from trainer.data.chat_templates import is_conversational, render_chat
 from trainer.engine.attention import SHARED_ATTENTION, share_prompts
 
@@ -151,11 +151,8 @@ def token_logps(model, batch: RolloutBatch, rows: slice, with_entropy: bool = Fa
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
         out = target_logits(model, input_ids, completion_mask, attention_mask, position_ids)
         out_rows, out_cols = out.rows, out.cols
-    if with_entropy:
-        target_logps, token_entropy = log_probs_and_entropy(out.logits, out.targets, temperature)
-        ent = float(token_entropy.mean()) if out.targets.numel() else None
-    else:
-        target_logps, ent = selective_log_softmax(out.logits, out.targets, temperature), None
+    target_logps, row = log_probs_and_stats(out.logits, out.targets, ("entropy",) if with_entropy else (), temperature)
+    ent = float(row["entropy"].mean()) if with_entropy and out.targets.numel() else None
     return to_padded(target_logps, out_rows, out_cols, input_ids.shape), ent
 
 

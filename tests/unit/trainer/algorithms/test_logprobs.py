@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.algorithms import logprobs
-from trainer.algorithms.logprobs import log_probs_and_entropy, log_probs_and_stats, selective_log_softmax
+from trainer.algorithms.logprobs import log_probs_and_stats, selective_log_softmax
 
 
 def whole_tensor(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -29,7 +29,8 @@ def test_log_probs_and_gradients_match_whole_tensor_ops_in_blocks(monkeypatch, d
     targets = torch.randint(0, 257, (10,))
     weights = torch.randn(10)
     ours, theirs = start.clone().requires_grad_(), start.clone().requires_grad_()
-    logps, ent = log_probs_and_entropy(ours, targets, temperature)
+    logps, row = log_probs_and_stats(ours, targets, ("entropy",), temperature)
+    ent = row["entropy"]
     (logps * weights).sum().backward()
     ref_logps, ref_ent = whole_tensor(theirs, targets, temperature)
     (ref_logps * weights).sum().backward()
@@ -66,7 +67,8 @@ def test_without_gradients_and_without_targets():
         logps = selective_log_softmax(logits, targets)
     torch.testing.assert_close(logps, F.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1))
     empty = torch.zeros(0, 33, requires_grad=True)
-    logps, ent = log_probs_and_entropy(empty, torch.zeros(0, dtype=torch.long))
+    logps, row = log_probs_and_stats(empty, torch.zeros(0, dtype=torch.long), ("entropy",))
+    ent = row["entropy"]
     assert logps.shape == ent.shape == (0,)
     logps.sum().backward()
     assert empty.grad.shape == (0, 33)
