@@ -9,8 +9,9 @@ it on by default; alignflow does not), and both save the final model. `--bf16` g
 trainers bf16 mixed precision instead (`bf16=True` in both configs: float32 weights, gradients
 and AdamW state, forward and backward under bfloat16 autocast; TRL's own default on hardware
 with bf16). Every run is its own process, so each peak RSS belongs to one trainer; runs
-alternate between the trainers and the table shows medians over `--repeats`. The `alignflow-free`
-trainer is alignflow with `padding_free` (unpacked runs: on the CPU each micro-batch is one row).
+alternate between the trainers and the table shows medians over `--repeats`. `alignflow` runs
+with its default `padding_free` (unpacked runs: on the CPU each micro-batch is one row), `alignflow-padded` pads
+each example to the micro-batch's longest, as TRL does.
 
 What is timed: the training steps only, as the time between the ends of consecutive optimizer
 steps (batch building, forward, backward, clipping, optimizer and scheduler), leaving out the
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import common
 
-TRAINERS = ("alignflow", "alignflow-free", "trl")  # alignflow-free: padding_free (unpacked runs)
+TRAINERS = ("alignflow", "alignflow-padded", "trl")  # alignflow-padded: padding_free false
 DEFAULT_STEPS = {"tiny": 30, "smollm2": 4}  # about 10 minutes for everything on 2 idle cores
 
 
@@ -75,7 +76,8 @@ def child_alignflow(spec: dict, started: float) -> dict:
         gradient_accumulation_steps=spec["grad_accum"], learning_rate=spec["learning_rate"],
         lr_scheduler="linear", warmup_ratio=0.0, max_length=spec["max_length"], packing=spec["packing"],
         completion_only_loss=True, seed=spec["seed"], num_sample_completions=0, disable_progress_bar=True,
-        logging_steps=10**9, save_steps=0, padding_free=spec["trainer"] == "alignflow-free")
+        logging_steps=10**9, save_steps=0,
+        **{**spec.get("overrides", {}), **({"padding_free": False} if spec["trainer"] == "alignflow-padded" else {})})
     sft.run_sft(config)
     done = common.clock()
     loss = next((r["loss"] for r in reversed(checkpoint.read_history(spec["out_dir"])) if "loss" in r), None)
@@ -149,7 +151,7 @@ def summarise(medians: list[dict]) -> str:
     for (model, packing, trainer), med in by_key.items():
         layout = "bfd" if packing else "no"
         rows.append([model, layout, f"{trainer} (n={med['n']})", *(med.get(key) for key, _ in COLUMNS)])
-        for name in ("alignflow", "alignflow-free"):
+        for name in ("alignflow", "alignflow-padded"):
             if trainer == "trl" and (ours := by_key.get((model, packing, name))):
                 rows.append([model, layout, f"{name}/TRL",
                              *(None if key in SANITY else common.ratio(ours, med, key) for key, _ in COLUMNS)])
@@ -183,9 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-examples", type=int, default=1000, help="GSM8K training rows used (the first N).")
     parser.add_argument("--bf16", action="store_true",
                         help="Mixed precision in both trainers: `bf16=True` (bfloat16 autocast, float32 weights).")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="Override an SFTConfig field of the alignflow runs (e.g. torch_compile=true).")
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "alignflow-free": child_alignflow,
+        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "alignflow-padded": child_alignflow,
                                                           "trl": child_trl,
                                                           "probe": common.child_probe})
 
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
     packings = [p == "bfd" for p in common.parse_list(args.packing, ("no", "bfd"), "packing")]
     common.require_trl(trainers)
+    overrides = common.parse_overrides(args.set, "trainer.stages.sft:SFTConfig")
     source = common.data_path(args.data, "gsm8k/train.jsonl")
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="alignflow-bench-sft-"))
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                                 batch_size=args.batch_size, grad_accum=args.grad_accum,
                                 learning_rate=args.learning_rate, max_length=args.max_length, packing=packing,
                                 threads=args.threads, warmup_steps=args.warmup_steps, seed=args.seed,
-                                bf16=args.bf16)
+                                bf16=args.bf16, overrides=overrides)
                     label = f"{model} packing={'bfd' if packing else 'no'} {trainer} #{repeat + 1}"
                     plan.append((label, {"model": model, "packing": packing, "trainer": trainer, "repeat": repeat,
                                          "steps": steps}, spec))
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"lr {args.learning_rate} linear, {common.precision(args.bf16)}, {args.threads} threads, "
                 f"{args.num_examples} GSM8K rows, steps " + ", ".join(
                     f"{m}={args.steps or DEFAULT_STEPS[m]}" for m in models)
-                + f" (first {args.warmup_steps} untimed), medians of {args.repeats}")
+                + f" (first {args.warmup_steps} untimed), medians of {args.repeats}" + "".join(f", {item}" for item in args.set))
     common.print_header("SFT", settings, started, load_before)
     print(summarise(medians))
     peaks = common.best_peaks(*probes)

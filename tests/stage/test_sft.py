@@ -1,6 +1,7 @@
 """SFT stage: the objective improves, batching is exact, checkpoints are complete or ignored."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,8 @@ def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, tmp_p
         trained_on.clear()
         run_sft(sft_config(tiny_model, out, padding_free=free, max_steps=3, per_device_batch_size=4,
                            gradient_accumulation_steps=2, logging_steps=1))
+        if free:  # the first: `padding_free_is_exact`'s check
+            assert len(trained_on) == 7 and trained_on.pop(0).bounds is not None
         assert len(trained_on) == 6
         if free:
             assert all(len(b.input_ids) == 1 and b.bounds[-1] == b.input_ids.shape[1] == b.num_tokens
@@ -84,6 +87,65 @@ def test_padding_free_batches_train_the_weights_of_padded_ones(tiny_model, tmp_p
         torch.testing.assert_close(runs[True][0][k], runs[False][0][k], atol=1e-4, rtol=0, msg=k)
     assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-5)
     assert runs[True][2] == runs[False][2]  # the same real tokens, none of them padding
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_padding_free_is_the_default_and_falls_back_when_attention_mixes_examples(tiny_model, tmp_path, monkeypatch,
+                                                                                  caplog, bf16):
+    """`padding_free` is on by default, checked outside bf16 autocast (where the two layouts round apart), and
+    turned off, with a warning and in the manifest, for a model whose attention lets one row's examples attend
+    to each other (here: bounds and restarting position ids both ignored)."""
+    import torch.nn.functional as F
+    import transformers.masking_utils as masking
+
+    from trainer.engine import attention
+    from trainer.stages import sft
+
+    trained_on, build = [], sft.micro_batch
+    monkeypatch.setattr(sft, "micro_batch", lambda *args: trained_on.append(build(*args)) or trained_on[-1])
+    kept = tmp_path / "kept"
+    with caplog.at_level(logging.WARNING):
+        run_sft(sft_config(tiny_model, kept, max_steps=2, per_device_batch_size=4, bf16=bf16))
+    assert "padding_free is off" not in caplog.text
+    assert all(b.bounds is not None and len(b.input_ids) == 1 for b in trained_on[-2:]), "training stays one-row"
+    assert json.loads((kept / ckpt.MANIFEST).read_text())["config"]["padding_free"] is True
+
+    def whole_row(module, query, key, value, bounds, dropout, scaling):  # the row's causal attention, no bounds
+        groups = query.shape[1] // key.shape[1]
+        return F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
+                                              value.repeat_interleave(groups, 1), is_causal=True,
+                                              scale=scaling).transpose(1, 2)
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    monkeypatch.setattr(attention, "per_sequence_attention", whole_row)
+    trained_on.clear()
+    mixed = tmp_path / "mixed"
+    with caplog.at_level(logging.WARNING):
+        run_sft(sft_config(tiny_model, mixed, max_steps=2, per_device_batch_size=4, bf16=bf16))
+    assert "padding_free is off" in caplog.text
+    checked, *trained_on = trained_on
+    assert checked.bounds is not None
+    assert trained_on and all(b.bounds is None and len(b.input_ids) == 4 for b in trained_on), "training is padded"
+    assert json.loads((mixed / ckpt.MANIFEST).read_text())["config"]["padding_free"] is False
+
+
+def test_torch_compile_trains_the_weights_of_eager_layers(tiny_model, tmp_path):
+    """`torch_compile`: the decoder layers run as compiled graphs and train eager's weights (float rounding
+    apart: inductor fuses the elementwise work); two steps of different widths reuse the dynamic graph."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for compiled in (False, True):
+        run_sft(sft_config(tiny_model, tmp_path / f"compiled-{compiled}", torch_compile=compiled, max_steps=3,
+                           per_device_batch_size=4))
+    assert counters["stats"]["unique_graphs"] >= 1
+    eager, compiled = weights(tmp_path / "compiled-False"), weights(tmp_path / "compiled-True")
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    for name in start:
+        assert not torch.equal(compiled[name], start[name]), f"{name} did not train"
+        torch.testing.assert_close(compiled[name], eager[name], atol=1e-4, rtol=0, msg=name)
+    assert [r["loss"] for r in history(tmp_path / "compiled-True")] == pytest.approx(
+        [r["loss"] for r in history(tmp_path / "compiled-False")], rel=1e-4)
 
 
 def test_packing_trains(tiny_model, tmp_path):

@@ -132,6 +132,10 @@ class TrainConfig:
         "float32", "Parameter dtype for training. bfloat16 halves memory; float32 is exact on CPU.",
         aliases=("torch_dtype",))
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass to save memory.")
+    torch_compile: bool = option(False, "Compile each of the model's repeated blocks (its decoder layers) with "
+                                        "torch.compile, inductor, dynamic shapes: the elementwise work around the "
+                                        "matmuls runs fused. Costs a compile on the first steps; not under "
+                                        "DeepSpeed ZeRO-3.")
     bf16: bool = option(False, "Mixed precision: forward and backward in bfloat16 under autocast while parameters, "
                                "gradients and optimizer states stay in `dtype` (TRL's `bf16`). Under DeepSpeed its "
                                "bf16 mode. `accelerate launch --mixed_precision bf16` turns it on as well.")

@@ -122,6 +122,21 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
     return model
 
 
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Compile, in place, each block of every list of same-class blocks in `model` (a transformer's decoder
+    layers; accelerate's regional compilation): one compiled graph serves all layers, the state dict keeps its
+    names. Dynamic shapes, as batch widths change from step to step. Returns how many blocks."""
+    from accelerate.utils.other import is_repeated_blocks
+
+    compiled: list[str] = []
+    for name, module in model.named_modules():
+        if is_repeated_blocks(module) and not any(name.startswith(f"{c}.") for c in compiled):
+            for block in module:
+                block.compile(dynamic=True)
+            compiled.append(name)
+    return sum(len(model.get_submodule(name)) for name in compiled)
+
+
 def count_parameters(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -54,7 +54,7 @@ from trainer.engine.models import (
     model_and_tokenizer,
     resolve_model_path,
 )
-from trainer.engine.runner import StageRunner, score_both_layouts, to_device
+from trainer.engine.runner import StageRunner, layouts_agree, score_both_layouts, to_device
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -256,20 +256,11 @@ def freeze(model):
 def packing_is_exact(model, data: TokenizedPairs, pad_id: int, pack_to: int, device="cpu") -> bool:
     """Whether `model` scores packed sequences as it scores padded ones, i.e. its attention builds
     the block-diagonal mask from restarting position ids (transformers' models do; some
-    remote-code models do not, and would let packed sequences attend to each other).
-
-    The measure is the mean absolute difference per completion token. SmolLM2-135M on HH pairs:
-    < 1e-6 nats in float32, 1e-3 to 3e-3 in bfloat16 (the two layouts round differently), 0.68 when
-    packed sequences attend to each other."""
+    remote-code models do not, and would let packed sequences attend to each other); see `layouts_agree`."""
     padded, packed = score_both_layouts(model, lambda m, batch: sequence_logps(m, batch, with_logits=False), collate,
                                         data, pad_id, pack_to, device)
-    per_token = float((padded.logps - packed.logps).abs().sum() / padded.lengths.sum().clamp(min=1))
-    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 3e-2
-    if per_token > tolerance:
-        log.warning("padding_free is off: %s scores packed sequences differently from padded ones (%.3g nats per "
-                    "token), so its attention does not separate them. Training on padded batches.",
-                    type(model).__name__, per_token)
-    return per_token <= tolerance
+    return layouts_agree(model, padded.logps, packed.logps, int(padded.lengths.sum()),
+                         "Training on padded batches.")
 
 
 def reference_model(config: DPOConfig, model_path: str, policy, fresh_start: bool) -> tuple[Any, bool]:
@@ -440,7 +431,7 @@ def run_dpo(config: DPOConfig) -> str:
         pad_id = tokenizer.pad_token_id
         pack_to = config.max_length if config.padding_free else 0
         if pack_to and not packing_is_exact(run.model_without_autocast(), train_data, pad_id, pack_to, run.device):
-            pack_to = 0
+            pack_to, config.padding_free = 0, False  # so the manifest says what ran
         reference = prepare_reference(run, model_path, train_data, splits, pad_id, pack_to)
 
         # 3. The loop.

@@ -30,8 +30,8 @@ from trainer.data.formatting import TokenizedSFT, pack_best_fit, tokenize_sft
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine.attention import PACKED_BOUNDS_KWARG
 from trainer.engine.loop import total_steps
-from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
-from trainer.engine.runner import StageRunner, to_device
+from trainer.engine.models import apply_lora, count_parameters, eval_mode, load_causal_lm, model_and_tokenizer
+from trainer.engine.runner import StageRunner, layouts_agree, to_device
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,12 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
     packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
                               "(no attention across examples).")
-    padding_free: bool = option(False, "Pack each micro-batch's examples into one row (on the CPU; elsewhere rows "
-                                       "of at most `max_length` tokens), position ids restarting per example, "
-                                       "instead of padding each example to the longest (TRL's name; no attention "
-                                       "across examples). The same loss with less compute when lengths vary; "
-                                       "`packing` packs across the dataset.")
+    padding_free: bool = option(True, "Pack each micro-batch's examples into one row (on the CPU; elsewhere rows "
+                                      "of at most `max_length` tokens), position ids restarting per example, "
+                                      "instead of padding each example to the longest (TRL's name, off by default "
+                                      "there; no attention across examples). The same loss with less compute when "
+                                      "lengths vary; off by itself, with a warning, for a model whose attention "
+                                      "mixes packed examples. `packing` packs across the dataset.")
     num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
                                         "(0 = none).")
     sample_max_new_tokens: int = option(48, "Length of those sample completions.")
@@ -148,6 +149,23 @@ def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
     return -logps.sum(), stats
 
 
+def padding_free_is_exact(model, data: TokenizedSFT, pad_id: int, config: SFTConfig, one_row: bool,
+                          device) -> bool:
+    """Whether `model` scores a padding-free micro-batch of the shortest examples as it scores them padded: its
+    attention keeps packed examples apart (through their bounds in one row, or the restarting position ids;
+    some remote-code models follow neither). See `layouts_agree`."""
+    shortest = sorted(range(len(data)), key=lambda i: int(data.lengths[i]))[:4]
+    rows = [[i] for i in shortest]
+    scores = []
+    with eval_mode(model), torch.no_grad():
+        for batch in (collate(data, rows, pad_id, packed=False), micro_batch(data, rows, pad_id, config, one_row)):
+            b = to_device(batch, device)
+            out = target_logits(model, b.input_ids, b.target_mask, b.attention_mask, b.position_ids,
+                                model_kwargs=b.model_kwargs)
+            scores.append(log_probs_and_stats(out.logits, out.targets, ())[0])
+    return layouts_agree(model, *scores, len(scores[0]), "Training on padded batches.")
+
+
 @torch.no_grad()
 def evaluate(run: StageRunner, data: TokenizedSFT, pad_id: int) -> dict[str, float]:
     """Loss and token accuracy on held-out data; each rank scores its share, the sums cross ranks."""
@@ -204,7 +222,7 @@ def train_step(run: StageRunner, units: list[list[int]], data: TokenizedSFT, pad
     # Padding-free on the CPU: one row per micro-batch, each example's attention run apart
     # (`per_sequence_attention`). Elsewhere rows of at most max_length, as transformers builds their
     # block-diagonal mask over the whole row (and flash attention would read `bounds` its own way).
-    one_row = run.device.type == "cpu"
+    one_row = run.device.type == "cpu"  # (as `padding_free_is_exact` checked)
     micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config, one_row), part.weight)
              for part in run.rank_batches(len(units), step)]
     # The loss is summed over the step's target tokens on all ranks, divided by their number
@@ -266,6 +284,9 @@ def run_sft(config: SFTConfig) -> str:
 
         # 3. The loop.
         pad_id = tokenizer.pad_token_id
+        if config.padding_free and not config.packing and not padding_free_is_exact(
+                run.model_without_autocast(), train_data, pad_id, config, run.device.type == "cpu", run.device):
+            config.padding_free = False  # so the manifest says what ran
         evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
         while run.state.global_step < steps:
             run.end_step(train_step(run, units, train_data, pad_id), len(units), evaluate_now)

@@ -146,8 +146,13 @@ def test_unsupported_trl_settings_are_rejected_with_the_reason(key, value, words
 
 
 def test_a_trl_option_without_equivalent_is_named_as_such():
-    with pytest.raises(ConfigError, match="`torch_compile_backend: inductor` .*is a TRL option alignflow does not"):
-        config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "torch_compile_backend": "inductor"})
+    with pytest.raises(ConfigError, match="`torch_compile_mode: max-autotune` .*is a TRL option alignflow does not"):
+        config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "torch_compile_mode": "max-autotune"})
+    config = config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "torch_compile": True,
+                                          "torch_compile_backend": "inductor"})
+    assert config.torch_compile
+    with pytest.raises(ConfigError, match="torch_compile_backend: eager"):
+        config_from_dict(SFTConfig, {"model": "m", "dataset": "demo", "torch_compile_backend": "eager"})
     with pytest.raises(ConfigError) as err:  # a TrainingArguments name with no table entry
         parse_config(SFTConfig, ["--model", "m", "--dataset", "demo", "--length_column_name", "n"])
     assert "is a TRL option the sft stage has no equivalent for" in str(err.value)
