@@ -165,6 +165,7 @@ def child_cli(spec: dict, started: float) -> dict:
                  max_completion_length=spec["new_tokens"], per_device_batch_size=spec["prompts_per_step"] * group,
                  beta=0, learning_rate=spec["learning_rate"], reward_funcs="exact_answer", seed=spec["seed"],
                  max_steps=spec["steps"])
+    flags.update({k: json.dumps(v) if isinstance(v, bool) else v for k, v in spec.get("overrides", {}).items()})
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "OMP_WAIT_POLICY")}
     command = [sys.executable, "-m", "trainer.cli", "train", "grpo", *(f"--{k}={v}" for k, v in flags.items())]
