@@ -9,9 +9,10 @@ gradient accumulation gives the same update as one large batch.
 Departures from TRL's SFTTrainer, all for speed: the LM head runs only at target positions
 (`trainer.algorithms.logprobs.target_logits`), and packing uses best-fit-decreasing bins with position ids
 restarting per example, so no example attends to another (transformers builds the
-block-diagonal mask from the position ids). `padding_free` packs each micro-batch on the CPU into one row
-whose examples' attention runs apart (`trainer.engine.attention.per_sequence_attention`): the linears skip
-the padding (SmolLM2, bf16, 4 GSM8K examples a step: -7 to -9% a step).
+block-diagonal mask from the position ids). `padding_free` (on by default, off in TRL) packs each micro-batch
+on the CPU into one row whose examples' attention runs apart (`trainer.engine.attention.per_sequence_attention`):
+the linears skip the padding (SmolLM2, bf16, 4 GSM8K examples a step: -7 to -9% a step). It is checked first
+(`padding_free_is_exact`), and turned off for a model whose attention would mix the examples.
 
 Read top to bottom: config, data, model, loop, save.
 """
@@ -222,7 +223,7 @@ def train_step(run: StageRunner, units: list[list[int]], data: TokenizedSFT, pad
     # Padding-free on the CPU: one row per micro-batch, each example's attention run apart
     # (`per_sequence_attention`). Elsewhere rows of at most max_length, as transformers builds their
     # block-diagonal mask over the whole row (and flash attention would read `bounds` its own way).
-    one_row = run.device.type == "cpu"  # (as `padding_free_is_exact` checked)
+    one_row = run.device.type == "cpu"
     micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config, one_row), part.weight)
              for part in run.rank_batches(len(units), step)]
     # The loss is summed over the step's target tokens on all ranks, divided by their number
