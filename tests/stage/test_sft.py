@@ -134,6 +134,7 @@ def test_torch_compile_trains_the_weights_of_eager_layers(tiny_model, tmp_path):
     apart: inductor fuses the elementwise work); two steps of different widths reuse the dynamic graph."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # (a layer compiled by an earlier test in this process would be reused uncounted)
     counters.clear()
     for compiled in (False, True):
         run_sft(sft_config(tiny_model, tmp_path / f"compiled-{compiled}", torch_compile=compiled, max_steps=3,

@@ -1,0 +1,59 @@
+"""`torch_compile` in the other stages: DPO, the reward model (a causal LM's and BERT's layers), GRPO and PPO train
+with their repeated blocks compiled (SFT's compiled layers train eager's weights: tests/stage/test_sft.py)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import dpo_config, grpo_config, ppo_config, weights
+from tests.stage.test_reward_model import agreement_data, rm_config, tiny_bert  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(autouse=True)
+def compiled_graphs():
+    """Each test's stage ran compiled graphs (dynamo's counters), not eager code. (Reset first: a layer's code
+    compiled by an earlier test in this process would be reused without a new capture.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    assert counters["stats"]["unique_graphs"] >= 1
+
+
+def trained(out: Path, start_folder: str) -> bool:
+    start = load_file(Path(start_folder) / "model.safetensors")
+    after = weights(out)
+    return any(not torch.equal(after[k], start[k]) for k in start if k in after)
+
+
+def test_dpo(tiny_model, tmp_path):
+    from trainer.stages.dpo import run_dpo
+
+    run_dpo(dpo_config(tiny_model, tmp_path / "dpo", max_steps=2, torch_compile=True, bf16=True))
+    assert trained(tmp_path / "dpo", tiny_model)
+
+
+@pytest.mark.parametrize("backbone", ["causal", "bert"])
+def test_reward_model(backbone, tiny_model, tiny_bert, agreement_data, tmp_path):  # noqa: F811 (fixtures)
+    from trainer.stages.reward_model import run_reward
+
+    model = tiny_model if backbone == "causal" else tiny_bert
+    run_reward(rm_config(model, agreement_data["train"], tmp_path / "rm", max_steps=2, torch_compile=True))
+    assert trained(tmp_path / "rm", model)
+
+
+def test_grpo(tiny_model, tmp_path):
+    from trainer.stages.rl.grpo import run_grpo
+
+    run_grpo(grpo_config(tiny_model, tmp_path, max_steps=2, torch_compile=True, bf16=True))
+    assert trained(tmp_path / "out", tiny_model)
+
+
+def test_ppo(tiny_model, tmp_path):
+    from trainer.stages.rl.ppo import run_ppo
+
+    run_ppo(ppo_config(tiny_model, tmp_path, max_steps=2, torch_compile=True))
+    assert trained(tmp_path / "out", tiny_model)
