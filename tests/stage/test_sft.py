@@ -131,7 +131,7 @@ def test_padding_free_is_the_default_and_falls_back_when_attention_mixes_example
 
 def test_torch_compile_trains_the_weights_of_eager_layers(tiny_model, tmp_path):
     """`torch_compile`: the decoder layers run as compiled graphs and train eager's weights (float rounding
-    apart: inductor fuses the elementwise work); two steps of different widths reuse the dynamic graph."""
+    apart: inductor fuses the elementwise work)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # (a layer compiled by an earlier test in this process would be reused uncounted)

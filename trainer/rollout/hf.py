@@ -67,7 +67,9 @@ class HFEngine(EngineContext):
                  if sampling.seed is not None and not sampling.greedy else None)
         size = self.batch_size or len(rows)
         flat: list[Completion] = []
-        with eval_mode(self.model), self._rng.use(sampling.seed), _clean_generation_defaults(self.model):
+        # Eager even under `torch_compile`: every decode step grows the cache, which would recompile the layers.
+        with eval_mode(self.model), self._rng.use(sampling.seed), _clean_generation_defaults(self.model), \
+                torch.compiler.set_stance("force_eager"):
             for start in range(0, len(rows), size):
                 flat += self._generate_rows(rows[start:start + size], sampling,
                                             seeds[start:start + size] if seeds else None)

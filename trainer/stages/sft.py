@@ -191,8 +191,9 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     outs = []
     for prompt in prompts:
         enc = tokenizer(prompt, return_tensors="pt").to(model.device)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        with torch.compiler.set_stance("force_eager"):  # (as the hf rollout engine: decoding would recompile)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
         outs.append(tokenizer.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
     model.train()
     return outs

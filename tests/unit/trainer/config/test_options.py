@@ -180,6 +180,8 @@ _SERVER = ("which rollout server the job uses and how long it waits for it: test
            "tests/unit/trainer/rollout/test_server_client.py")
 ALLOWED = {
     "model": _MODEL, "trust_remote_code": _MODEL, "dtype": _MODEL, "gradient_checkpointing": _MODEL,
+    "torch_compile": ("how the layers run, not what they compute (float rounding apart): tests/stage/test_sft.py::"
+                      "test_torch_compile_trains_the_weights_of_eager_layers and tests/stage/test_torch_compile.py"),
     "lora_r": _MODEL, "lora_alpha": _MODEL, "lora_dropout": _MODEL, "lora_target_modules": _MODEL,
     "disable_dropout": _MODEL, "critic": _MODEL, "critic_model": _MODEL, "ref_model": _MODEL,
     "dataset_num_proc": ("how many processes tokenize (the same tokens): tests/unit/trainer/data/test_token_cache.py::"
