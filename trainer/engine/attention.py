@@ -256,7 +256,8 @@ def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            bounds: torch.Tensor, dropout: float, scaling: float) -> torch.Tensor:
-    """Causal attention within each of the S sequences packed into one row, run as a padded batch of S rows:
+    """Attention within each of the S sequences packed into one row, run as a padded batch of S rows (causal
+    unless `module.is_causal` is False, as in BERT-style encoders):
     query [1, H, N, D], key/value [1, H_kv, N, D], `bounds` [S + 1] the sequences' cumulative lengths
     -> [1, N, H, D]. The same attention as the row's block-diagonal mask gives, at the cost of S rows of the
     longest sequence's width instead of one of all N: in one packed row the linears skip the padding, and the
@@ -275,7 +276,8 @@ def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value
         return x.index_select(1, index).unflatten(1, (S, T)).transpose(0, 1)
 
     q, k, v = padded(query), padded(key), padded(value)
-    allowed = (torch.ones(T, T, dtype=torch.bool, device=query.device).tril()[None] & real[:, None, :])[:, None]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=query.device)
+    allowed = ((allowed.tril() if getattr(module, "is_causal", True) else allowed)[None] & real[:, None, :])[:, None]
     grad = dtype is not None and torch.is_grad_enabled()
     out = dense_attention(module, q, k, v, allowed, dropout, scaling) if grad else None
     if out is None:

@@ -21,20 +21,25 @@ that `truncation_side`), where TRL drops them (`truncation_mode=drop` does that 
 text data alike get the eos rule above (TRL adds eos to text data only, and fails on tokenizers
 without one, like BERT's).
 
-With `padding_free`, each micro-batch's 2B sequences are packed into rows of at most `max_length`
-tokens (best fit) with position ids restarting per sequence and no attention mask, so that no
-sequence attends to another; the backbone runs over the packed rows and the score head only at
-each sequence's reward token (`sequence_rewards`). Same rewards as padded rows up to float
-rounding, less compute when lengths vary; causal LMs only (a check before training refuses models
-whose attention mixes packed sequences).
+With `padding_free` (on by default, off in TRL), each micro-batch's 2B sequences are packed without
+padding, position ids restarting per sequence: on the CPU into one row whose sequence bounds reach the
+attention (`trainer.engine.attention.per_sequence_attention`, which runs each apart), elsewhere into rows
+of at most `max_length` tokens (best fit) with no attention mask, whose block-diagonal causal mask
+transformers builds from the position ids. The backbone runs over the packed row(s), and the head only
+at each sequence's reward token (`sequence_rewards`): the last one for causal LMs, the pooled first one
+for BERT-style encoders (one row only: without the bounds their attention would mix the texts). Same
+rewards as padded rows up to float rounding, less compute when lengths vary. A check before training
+scores a few pairs both ways, and a model whose packed rewards differ trains padded, with a warning.
 
 Read top to bottom: config, batches, the stage (pairs are tokenized by `trainer.data.preferences`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +50,7 @@ from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import lay_out_rows
 from trainer.data.preferences import TokenizedPairs, tokenize_reward_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
+from trainer.engine.attention import PACKED_BOUNDS_KWARG
 from trainer.engine.loop import total_steps
 from trainer.engine.models import (
     apply_lora,
@@ -73,10 +79,12 @@ class RewardConfig(TrainConfig):
               "(Eisenstein et al. 2023, arXiv:2312.09244; TRL suggests 0.01). Unset = off.")
     disable_dropout: bool = option(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
                                          "encoders ship with 0.1, so chosen and rejected would see different masks).")
-    padding_free: bool = option(False, "Pack each micro-batch's chosen and rejected texts into rows of at most "
-                                       "`max_length` tokens, position ids restarting per text, instead of padding each "
-                                       "to the longest (TRL's name; no attention across texts). The same rewards with "
-                                       "less compute when lengths vary. Causal LMs only: checked before training.")
+    padding_free: bool = option(True, "Pack each micro-batch's chosen and rejected texts into one row (on the CPU; "
+                                      "elsewhere rows of at most `max_length` tokens, causal LMs only), position ids "
+                                      "restarting per text, instead of padding each to the longest (TRL's name, off "
+                                      "by default there; no attention across texts). The same rewards with less "
+                                      "compute when lengths vary; off by itself, with a warning, for a model that "
+                                      "scores packed texts differently.")
 
     stage = "reward"
 
@@ -95,37 +103,44 @@ class RewardConfig(TrainConfig):
 class PairBatch:
     """B pairs as 2B sequences: 0..B-1 the chosen texts, B..2B-1 the rejected ones.
 
-    Padded (the default), sequence s is row s, right-padded to the longest. Padding-free, the
-    sequences are packed into fewer rows of at most `max_length` tokens with position ids
-    restarting per sequence and no attention mask (transformers then builds a block-diagonal
-    causal mask), and `last` says where each sequence's reward is read.
+    Padded, sequence s is row s, right-padded to the longest. Padding-free, the sequences are packed
+    into one row with their `bounds`, or into fewer rows of at most `max_length` tokens, with position
+    ids restarting per sequence and no attention mask (transformers then builds a block-diagonal causal
+    mask); `last` and `first` say where each sequence's reward is read (causal LMs, encoders).
     """
 
     input_ids: torch.Tensor  # [R, T]
     attention_mask: torch.Tensor | None  # [R, T] padded rows; None when packed
     position_ids: torch.Tensor | None  # [R, T] restarting per sequence when packed; None when padded
-    last: torch.Tensor | None  # [2B, 2] (row, column) of each sequence's reward token when packed; None when padded
+    last: torch.Tensor | None  # [2B, 2] (row, column) of each sequence's last non-pad token when packed; else None
+    first: torch.Tensor | None  # [2B, 2] (row, column) of each sequence's first token when packed; else None
     margin: torch.Tensor | None  # [B]
     num_pairs: int
     num_tokens: int  # real tokens, padding excluded
+    bounds: torch.Tensor | None = None  # [2B + 1] cumulative lengths when one row holds all the sequences
 
 
-def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int = 0) -> PairBatch:
-    """Pad to the longest sequence of this batch, or with `pack_to` > 0 pack the sequences into rows
-    of at most `pack_to` tokens (best fit, longest first).
+def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int = 0,
+            one_row: bool = False) -> PairBatch:
+    """Pad to the longest sequence of this batch, or with `pack_to` > 0 pack the sequences into one row
+    (`one_row`, with their `bounds`) or into rows of at most `pack_to` tokens (best fit, longest first).
 
     A packed sequence's reward is read where a padded row's is: transformers takes the last token
-    that is not `pad_id` (so where pad == eos, the token before a final eos, as in TRL).
+    that is not `pad_id` (so where pad == eos, the token before a final eos, as in TRL), or an
+    encoder's first token.
     """
     tokens = [data.pair(i) for i in indices]
     seqs = [p.prompt + p.chosen for p in tokens] + [p.prompt + p.rejected for p in tokens]
-    layout = lay_out_rows(seqs, pad_id, pack_to)
-    margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     num_tokens = sum(len(s) for s in seqs)
+    layout = lay_out_rows(seqs, pad_id, num_tokens if pack_to and one_row else pack_to)
+    margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     if pack_to:
         last = torch.stack([layout.row, layout.start + torch.tensor([_last_non_pad(s, pad_id) for s in seqs])], 1)
-        return PairBatch(layout.input_ids, None, layout.position_ids, last, margin, len(indices), num_tokens)
-    return PairBatch(layout.input_ids, (layout.sequence >= 0).long(), None, None, margin, len(indices), num_tokens)
+        bounds = torch.tensor([*sorted(layout.start.tolist()), num_tokens]) if one_row else None
+        return PairBatch(layout.input_ids, None, layout.position_ids, last, torch.stack([layout.row, layout.start], 1),
+                         margin, len(indices), num_tokens, bounds)
+    return PairBatch(layout.input_ids, (layout.sequence >= 0).long(), None, None, None, margin, len(indices),
+                     num_tokens)
 
 
 def _last_non_pad(ids: list[int], pad_id: int) -> int:
@@ -133,33 +148,47 @@ def _last_non_pad(ids: list[int], pad_id: int) -> int:
     return next((j for j in reversed(range(len(ids))) if ids[j] != pad_id), 0)
 
 
-def packed_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(backbone, score head) of a causal-LM reward model, through a PEFT wrapper: what `padding_free` runs apart."""
+def packed_parts(model) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor], bool]:
+    """What `padding_free` runs apart, through a PEFT wrapper: (backbone, head, reads_first). The head maps the
+    hidden states of the reward tokens [S, H] to rewards [S, 1]: a causal LM's `score` (at the last token), or a
+    BERT-style encoder's pooler (when it has one), dropout and `classifier` (at the first token)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     backbone = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
-    head = getattr(lm, "score", None)
-    if (not isinstance(backbone, torch.nn.Module) or backbone is lm or not isinstance(head, torch.nn.Module)
-            or getattr(lm.config, "is_encoder_decoder", False)):
-        raise ModelError(f"`padding_free` reads each packed text's reward at its last token, through a causal LM's "
-                         f"backbone and `score` head; {type(lm).__name__} has no such pair (encoders read a pooled "
-                         "first token and attend across packed texts). Set `padding_free false`.")
-    return backbone, head
+    if isinstance(backbone, torch.nn.Module) and backbone is not lm \
+            and not getattr(lm.config, "is_encoder_decoder", False):
+        if isinstance(score := getattr(lm, "score", None), torch.nn.Module):
+            return backbone, score, False
+        classifier, pooler = getattr(lm, "classifier", None), getattr(backbone, "pooler", None)
+        if isinstance(classifier, torch.nn.Module) and not lm.config.is_decoder:
+            if pooler is None:  # RoBERTa-style: the classifier reads position 0 of [S, T, H] itself
+                return backbone, lambda h: classifier(h[:, None]), True
+            dropout = getattr(lm, "dropout", torch.nn.Identity())
+            return backbone, lambda h: classifier(dropout(pooler(h[:, None]))), True
+    raise ModelError(f"`padding_free` reads each packed text's reward through the backbone and a `score` head "
+                     f"(causal LMs) or a `classifier` (encoders); {type(lm).__name__} has neither.")
 
 
 def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                     position_ids: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+                     position_ids: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                     first: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> torch.Tensor:
     """One scalar reward per sequence (float32). Padded rows [2B, T] -> [2B]: the model's own forward, which
-    reads each row at its last non-pad token. Packed rows [R, T] -> [2B]: the backbone over the rows, then the
-    score head at `last` [2B, 2] (a linear map per position: the same numbers as scoring every position)."""
+    reads each row at its last non-pad token (causal LMs) or its first (encoders). Packed rows [R, T] -> [2B]:
+    the backbone over the rows (with the sequences' `bounds` when one row holds them all), then the head at
+    `last` or `first` [2B, 2] (per position: the same numbers as the model's own forward)."""
     if isinstance(model, PackedRewards) or isinstance(getattr(model, "module", None), PackedRewards):
         # Prepared by accelerate (DDP, DeepSpeed): through the wrapper's forward, where its hooks live.
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, last=last)
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, last=last,
+                     first=first, bounds=bounds)
     if position_ids is None:
         return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-    backbone, head = packed_parts(model)
+    backbone, head, reads_first = packed_parts(model)
     # No cache: transformers finds packed sequences in the position ids only without one.
-    hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # [R, T, H]
-    return head(hidden[last[:, 0], last[:, 1]]).squeeze(-1).float()  # [2B]
+    kwargs = {PACKED_BOUNDS_KWARG: bounds} if bounds is not None else {}
+    if not reads_first:
+        kwargs["use_cache"] = False
+    hidden = backbone(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state  # [R, T, H]
+    at = first if reads_first else last
+    return head(hidden[at[:, 0], at[:, 1]]).squeeze(-1).float()  # [2B]
 
 
 class PackedRewards(torch.nn.Module):
@@ -178,41 +207,45 @@ class PackedRewards(torch.nn.Module):
         return self.rm.dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
-        return sequence_rewards(self.rm, input_ids, attention_mask, position_ids, last)
+                position_ids: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                first: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> torch.Tensor:
+        return sequence_rewards(self.rm, input_ids, attention_mask, position_ids, last, first, bounds)
 
 
 def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of the chosen and the rejected texts, [B] each, from one forward over the batch's rows."""
-    rewards = sequence_rewards(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.last)
+    rewards = sequence_rewards(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.last,
+                               batch.first, batch.bounds)
     chosen, rejected = rewards.chunk(2)
     return chosen, rejected
 
 
-def check_packed_rewards(model, data: TokenizedPairs, pad_id: int, pack_to: int, device="cpu") -> None:
-    """Refuse `padding_free` when `model` scores packed texts differently from padded ones, i.e. its
-    attention does not build the block-diagonal mask from restarting position ids (transformers'
-    decoders do; some remote-code models do not)."""
-    padded, packed = score_both_layouts(model, lambda m, batch: torch.cat(pair_rewards(m, batch)), collate,
-                                        data, pad_id, pack_to, device)
+def packing_is_exact(model, data: TokenizedPairs, layout: dict, device="cpu") -> bool:
+    """Whether `model` scores packed texts (`layout`: `collate`'s packing arguments) as it scores them padded,
+    i.e. its attention keeps packed texts apart (through their bounds in one row, or the restarting position ids;
+    some remote-code models follow neither). Logs a warning when not: the run then trains padded."""
+    padded, packed = score_both_layouts(model, lambda m, batch: torch.cat(pair_rewards(m, batch)),
+                                        functools.partial(collate, one_row=layout["one_row"]), data,
+                                        layout["pad_id"], layout["pack_to"], device)
     error = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
     if error > tolerance:
         inner = getattr(model, "module", model)
-        raise ConfigError(f"padding_free: {type(getattr(inner, 'rm', inner)).__name__} scores packed texts "
-                          f"differently from padded ones (relative error {error:.3g}): its attention does not keep "
-                          "packed texts apart. Set `padding_free false`.")
+        log.warning("padding_free is off: %s scores packed texts differently from padded ones (relative error "
+                    "%.3g), so its attention does not keep them apart. Training on padded batches.",
+                    type(getattr(inner, "rm", inner)).__name__, error)
+    return error <= tolerance
 
 
 @torch.no_grad()
-def evaluate(run: StageRunner, data: TokenizedPairs, pad_id: int, pack_to: int) -> dict[str, float]:
+def evaluate(run: StageRunner, data: TokenizedPairs, layout: dict) -> dict[str, float]:
     """Loss and statistics over the whole eval set (not a mean of batch means); each rank scores its share."""
     from accelerate.utils import gather_object
 
     run.module.eval()
     chosen, rejected = [], []
     for part in run.rank_slice(len(data), run.config.eval_batch_size):
-        batch = to_device(collate(data, list(part or range(1)), pad_id, pack_to), run.device)
+        batch = to_device(collate(data, list(part or range(1)), **layout), run.device)
         with run.accelerator.autocast():
             c, r = pair_rewards(run.model, batch)  # an empty share still runs one forward (ZeRO-3)
         if len(part):
@@ -240,10 +273,11 @@ def _score_head(model) -> str:
 # The stage
 
 
-def train_step(run: StageRunner, data: TokenizedPairs, pad_id: int, pack_to: int) -> dict[str, float]:
-    """One optimizer step over this rank's share of the step's pairs; returns the step's metrics."""
+def train_step(run: StageRunner, data: TokenizedPairs, layout: dict) -> dict[str, float]:
+    """One optimizer step over this rank's share of the step's pairs (`layout`: `collate`'s padding and packing
+    arguments); returns the step's metrics."""
     step = run.state.global_step + 1
-    micro = [(collate(data, part.indices, pad_id, pack_to), part.weight)
+    micro = [(collate(data, part.indices, **layout), part.weight)
              for part in run.rank_batches(len(data), step)]
     step_pairs = run.sum_over_ranks({"n": sum(w * b.num_pairs for b, w in micro)})["n"]
     sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward", "tokens"), 0.0)
@@ -306,7 +340,11 @@ def run_reward(config: RewardConfig) -> str:
         raise ConfigError(f"`max_length` is {config.max_length} and texts of {longest} tokens remain, but "
                           f"{config.model} has {positions} positions: pass --max_length {positions} or less.")
     if config.padding_free:
-        packed_parts(model)  # a causal LM with a `score` head, or refused before training
+        try:
+            packed_parts(model)
+        except ModelError as error:
+            log.warning("padding_free is off: %s Training on padded batches.", error)
+            config.padding_free = False  # so the manifest says what ran
     if config.disable_dropout:
         disable_dropout(model)
     if config.lora_r and not resume:
@@ -319,15 +357,15 @@ def run_reward(config: RewardConfig) -> str:
         run.prepare(model, tokenizer, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
                                                     {"pairs": len(eval_data)} if eval_data is not None else None),
                     wrap=PackedRewards if config.padding_free else None)
-        pad_id = tokenizer.pad_token_id
-        pack_to = config.max_length if config.padding_free else 0
-        if pack_to:
-            check_packed_rewards(run.model_without_autocast(), train_data, pad_id, pack_to, run.device)
+        layout = {"pad_id": tokenizer.pad_token_id, "pack_to": config.max_length if config.padding_free else 0,
+                  "one_row": run.device.type == "cpu"}
+        if layout["pack_to"] and not packing_is_exact(run.model_without_autocast(), train_data, layout, run.device):
+            layout["pack_to"], config.padding_free = 0, False  # so the manifest says what ran
 
         # 3. The loop.
-        evaluate_now = (lambda: evaluate(run, eval_data, pad_id, pack_to)) if eval_data else None
+        evaluate_now = (lambda: evaluate(run, eval_data, layout)) if eval_data else None
         while run.state.global_step < steps:
-            run.end_step(train_step(run, train_data, pad_id, pack_to), len(train_data), evaluate_now)
+            run.end_step(train_step(run, train_data, layout), len(train_data), evaluate_now)
 
         # 4. Final evaluation and the model.
         run.final_evaluation(evaluate_now)

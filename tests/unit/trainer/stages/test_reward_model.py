@@ -43,28 +43,42 @@ def packing_pairs() -> list[dict]:
              "rejected": " " + " ".join(words[:1 + i // 2]) + " no"} for i in range(6)]
 
 
-@pytest.mark.parametrize("pad", ["pad", "eos"])
-def test_packed_rows_score_like_padded_ones(tiny_model, pad):
-    """`padding_free` packs the 2B texts into fewer rows with restarting position ids and reads each reward at its
-    text's last token: the rewards of padded rows, in the same order (chosen, then rejected). Without the position
-    ids the packed texts would attend to each other and the numbers would differ. Where pad == eos, transformers
-    reads a padded row before its final eos (taking it for padding); packed rows must read the same token."""
+def packing_data(tokenizer):
     import datasets
-    import torch
 
     from trainer.data.preferences import tokenize_reward_pairs
+
+    return tokenize_reward_pairs(datasets.Dataset.from_list(packing_pairs()), tokenizer, "pairs", 64, "keep_end")
+
+
+@pytest.mark.parametrize("one_row", [False, True])
+@pytest.mark.parametrize("pad", ["pad", "eos"])
+def test_packed_rows_score_like_padded_ones(tiny_model, pad, one_row):
+    """`padding_free` packs the 2B texts into fewer rows with restarting position ids (or into one row with their
+    bounds, as on the CPU) and reads each reward at its text's last token: the rewards of padded rows, in the same
+    order (chosen, then rejected). Without the position ids the packed texts would attend to each other and the
+    numbers would differ. Where pad == eos, transformers reads a padded row before its final eos (taking it for
+    padding); packed rows must read the same token."""
+    import torch
+
+    from trainer.engine.attention import use_alignflow_attention
     from trainer.engine.models import load_reward_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model)
-    data = tokenize_reward_pairs(datasets.Dataset.from_list(packing_pairs()), tokenizer, "pairs", 64, "keep_end")
+    data = packing_data(tokenizer)
     pad_id = tokenizer.pad_token_id if pad == "pad" else tokenizer.eos_token_id
     assert all(ids[-1] == tokenizer.eos_token_id != tokenizer.pad_token_id for ids in data.chosen_ids)
     torch.manual_seed(0)
     model = load_reward_model(tiny_model, pad_id).eval()
+    use_alignflow_attention(model)  # what the stage runs: the bounds reach `per_sequence_attention`
     indices = list(range(len(data)))
     padded = reward.collate(data, indices, pad_id)
-    packed = reward.collate(data, indices, pad_id, pack_to=64)
-    assert packed.input_ids.shape[0] < 2 * len(data) and packed.input_ids.shape[1] <= 64
+    packed = reward.collate(data, indices, pad_id, pack_to=64, one_row=one_row)
+    if one_row:
+        assert packed.input_ids.shape == (1, packed.num_tokens) and len(packed.bounds) == 2 * len(data) + 1
+    else:
+        assert 1 < packed.input_ids.shape[0] < 2 * len(data) and packed.input_ids.shape[1] <= 64
+        assert packed.bounds is None
     assert packed.attention_mask is None and packed.num_tokens == padded.num_tokens == int(padded.attention_mask.sum())
     assert packed.num_pairs == padded.num_pairs == len(data)
     with torch.no_grad():
@@ -73,11 +87,51 @@ def test_packed_rows_score_like_padded_ones(tiny_model, pad):
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-def test_padding_free_refuses_encoders():
-    """An encoder reads its reward at a pooled first token and attends across packed texts: refused by name."""
+@pytest.mark.parametrize("pooler", [True, False])
+def test_an_encoder_scores_one_packed_row_like_padded_ones(tiny_model, pooler):
+    """A BERT-style encoder reads its reward at the pooled first token (`classifier` after `pooler`, or a
+    RoBERTa-style `classifier` that reads position 0 itself): packed into one row, its bounds keep the texts'
+    (bidirectional) attention apart and the rewards are the padded ones. Rows without bounds would let the texts
+    attend to each other, which is why encoders pack into one row only."""
+    import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
-                                                     num_attention_heads=1, intermediate_size=8, num_labels=1))
-    with pytest.raises(reward.ModelError, match="BertForSequenceClassification.*`padding_free false`"):
+    from trainer.engine.attention import use_alignflow_attention
+    from trainer.engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    data = packing_data(tokenizer)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, num_labels=1, pad_token_id=tokenizer.pad_token_id, initializer_range=0.1)).eval()
+    if not pooler:
+        model.bert.pooler = None
+        model.classifier = torch.nn.Sequential(torch.nn.Linear(32, 1))
+        model.classifier.forward = lambda features: torch.nn.Sequential.forward(model.classifier, features[:, 0])
+    use_alignflow_attention(model)
+    pad_id, indices = tokenizer.pad_token_id, list(range(len(data)))
+    padded = reward.collate(data, indices, pad_id)
+    assert padded.attention_mask.min() == 0, "some padding, for the layouts to differ"
+    with torch.no_grad():
+        if not pooler:  # the model's own forward needs the pooler; score the padded rows through the backbone
+            hidden = model.bert(input_ids=padded.input_ids, attention_mask=padded.attention_mask).last_hidden_state
+            a = model.classifier(hidden).squeeze(-1)
+        else:
+            a = torch.cat(reward.pair_rewards(model, padded))
+        one_row = torch.cat(reward.pair_rewards(model, reward.collate(data, indices, pad_id, pack_to=64, one_row=True)))
+        rows = torch.cat(reward.pair_rewards(model, reward.collate(data, indices, pad_id, pack_to=64)))
+    assert a.std() > 1e-3, "the rewards must tell the texts apart for the comparison to mean anything"
+    torch.testing.assert_close(one_row, a, atol=1e-5, rtol=1e-4)
+    assert (rows - a).abs().max() > 1e-3, "without bounds the packed texts attend to each other"
+
+
+def test_padding_free_names_a_model_without_a_reward_head():
+    """`packed_parts` needs a causal LM's `score` or an encoder's `classifier`; the stage falls back to padded
+    batches on this error, naming the model."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                 intermediate_size=8))
+    with pytest.raises(reward.ModelError, match="BertModel has neither"):
         reward.packed_parts(model)
