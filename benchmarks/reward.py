@@ -13,6 +13,9 @@ The saved checkpoint is then loaded into `RewardModelScorer`, which scores the h
 again, as GRPO would: its accuracy must match the trainer's, and its speed is the scoring
 throughput. For scale, the table also shows how often the shorter reply is the chosen one.
 
+`alignflow` runs the stage's defaults (`padding_free`: on the CPU each micro-batch's texts are one row);
+`alignflow-padded` pads each text to the batch's longest (`padding_free false`, TRL's layout).
+
 TRL runs (`--trainers ...,trl`) train the same encoder with TRL 1.16's `RewardTrainer` on the
 same token ids: the child tokenizes the pairs with alignflow's own reward tokenization (prompt +
 reply as one text, `max_length` keeping the end) and hands TRL the `chosen_ids`/`rejected_ids`
@@ -64,7 +67,7 @@ import common
 
 MINILM = common.CACHE / "all-minilm-l6-v2"
 HH = "hh-rlhf/harmless-base-test.jsonl.gz"
-TRAINERS = ("alignflow", "trl")
+TRAINERS = ("alignflow", "alignflow-padded", "trl")  # alignflow-padded: padding_free false
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +97,8 @@ def child_alignflow(spec: dict, started: float) -> dict:
         output_dir=spec["out_dir"], num_epochs=spec["epochs"], max_steps=spec["steps"] or -1,
         per_device_batch_size=spec["batch_size"], learning_rate=spec["learning_rate"],
         warmup_ratio=spec["warmup_ratio"], max_length=spec["max_length"], bf16=spec["bf16"],
-        seed=spec["seed"], logging_steps=10, disable_progress_bar=True, **spec.get("overrides", {}))
+        seed=spec["seed"], logging_steps=10, disable_progress_bar=True,
+        **{**spec.get("overrides", {}), **({"padding_free": False} if spec["trainer"] == "alignflow-padded" else {})})
     reward.run_reward(config)
     trained, rss_after_train = common.clock(), common.self_peak_rss_mb()
     final_eval = checkpoint.read_history(spec["out_dir"])[-1]
@@ -241,14 +245,16 @@ TIMING = [(p, p.removesuffix("_s").replace("_", " ") + " s") for p in PHASES]
 
 
 def tables(medians: list[dict]) -> str:
-    """Quality; throughput and peak memory; time by phase: one row per trainer (medians), then alignflow / TRL."""
+    """Quality; throughput and peak memory; time by phase: one row per trainer (medians), then each alignflow arm
+    / TRL."""
     by_trainer = {m["trainer"]: m for m in medians}
-    ours, trl = by_trainer.get("alignflow"), by_trainer.get("trl")
+    trl = by_trainer.get("trl")
 
     def table(columns: list[tuple[str, str]], ratios: bool) -> str:
         rows = [[f"{m['trainer']} (n={m['n']})", *(m.get(key) for key, _ in columns)] for m in medians]
-        if ratios and ours and trl:
-            rows.append(["alignflow/TRL", *(common.ratio(ours, trl, key) for key, _ in columns)])
+        for name in ("alignflow", "alignflow-padded"):
+            if ratios and trl and (ours := by_trainer.get(name)):
+                rows.append([f"{name}/TRL", *(common.ratio(ours, trl, key) for key, _ in columns)])
         return common.format_table(["trainer", *(title for _, title in columns)], rows)
 
     return "\n\n".join([table(QUALITY, False), table(SPEED, True), table(TIMING, True)])
@@ -297,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(seed=0, repeats=1)
     args = parser.parse_args(argv)
     if args.child:
-        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow, "trl": child_trl,
+        return common.child_main(json.loads(args.child), {"alignflow": child_alignflow,
+                                                          "alignflow-padded": child_alignflow, "trl": child_trl,
                                                           "probe": common.child_probe})
     trainers = common.parse_list(args.trainers, TRAINERS, "trainer")
     common.require_trl(trainers)
