@@ -47,7 +47,7 @@ import torch
 
 from trainer.algorithms.preference import bradley_terry_loss
 from trainer.config.options import TrainConfig, option
-from trainer.data.formatting import lay_out_rows
+from trainer.data.formatting import ROW_MULTIPLE, lay_out_rows
 from trainer.data.preferences import TokenizedPairs, tokenize_reward_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine.attention import PACKED_BOUNDS_KWARG
@@ -132,11 +132,14 @@ def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int 
     tokens = [data.pair(i) for i in indices]
     seqs = [p.prompt + p.chosen for p in tokens] + [p.prompt + p.rejected for p in tokens]
     num_tokens = sum(len(s) for s in seqs)
-    layout = lay_out_rows(seqs, pad_id, num_tokens if pack_to and one_row else pack_to)
+    one_row = bool(pack_to and one_row)
+    layout = lay_out_rows(seqs, pad_id, num_tokens if one_row else pack_to, ROW_MULTIPLE if one_row else 1)
     margin = torch.tensor([data.margins[i] for i in indices]) if data.margins is not None else None
     if pack_to:
         last = torch.stack([layout.row, layout.start + torch.tensor([_last_non_pad(s, pad_id) for s in seqs])], 1)
-        bounds = torch.tensor([*sorted(layout.start.tolist()), num_tokens]) if one_row else None
+        # The padding at the row's end is a sequence of its own.
+        bounds = torch.tensor(sorted({*layout.start.tolist(), num_tokens, layout.input_ids.shape[1]})) \
+            if one_row else None
         return PairBatch(layout.input_ids, None, layout.position_ids, last, torch.stack([layout.row, layout.start], 1),
                          margin, len(indices), num_tokens, bounds)
     return PairBatch(layout.input_ids, (layout.sequence >= 0).long(), None, None, None, margin, len(indices),

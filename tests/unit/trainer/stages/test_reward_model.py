@@ -61,6 +61,7 @@ def test_packed_rows_score_like_padded_ones(tiny_model, pad, one_row):
     padding); packed rows must read the same token."""
     import torch
 
+    from trainer.data.formatting import ROW_MULTIPLE
     from trainer.engine.attention import use_alignflow_attention
     from trainer.engine.models import load_reward_model, load_tokenizer
 
@@ -74,8 +75,12 @@ def test_packed_rows_score_like_padded_ones(tiny_model, pad, one_row):
     indices = list(range(len(data)))
     padded = reward.collate(data, indices, pad_id)
     packed = reward.collate(data, indices, pad_id, pack_to=64, one_row=one_row)
-    if one_row:
-        assert packed.input_ids.shape == (1, packed.num_tokens) and len(packed.bounds) == 2 * len(data) + 1
+    if one_row:  # padded at its end to a multiple of ROW_MULTIPLE tokens, the padding a sequence of its own
+        width = packed.input_ids.shape[1]
+        assert packed.input_ids.shape[0] == 1 and width % ROW_MULTIPLE == 0
+        assert packed.num_tokens < width < packed.num_tokens + ROW_MULTIPLE, "this batch's tokens are not a multiple"
+        assert packed.bounds.tolist() == sorted({*packed.first[:, 1].tolist(), packed.num_tokens, width})
+        assert (packed.input_ids[0, packed.num_tokens:] == pad_id).all()
     else:
         assert 1 < packed.input_ids.shape[0] < 2 * len(data) and packed.input_ids.shape[1] <= 64
         assert packed.bounds is None
