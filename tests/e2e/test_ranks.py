@@ -125,15 +125,20 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, toy_prompts, referen
         assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-4)
 
 
-def test_padding_free_sft_two_ranks_under_zero3_match_one(tiny_model, toy_prompts, reference_run):
-    """Padding-free SFT on the CPU: each rank's micro-batch is one packed row whose bounds reach the attention
-    through DeepSpeed's engine and the TargetLM wrapper; two ranks train what one trains."""
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_padding_free_two_ranks_under_zero3_match_one(stage, tiny_model, toy_prompts, reference_run):
+    """Padding-free SFT and reward models on the CPU: each rank's micro-batch is one packed row whose bounds reach
+    the attention through DeepSpeed's engine and the stage's wrapper (TargetLM, PackedRewards); two ranks train
+    what one trains, and both runs' manifests say the runs were padding-free (no fallback to padded batches)."""
     free = ("--padding_free", "true")
-    reference = reference_run("sft", *run_args("sft", tiny_model, toy_prompts, False), *free)
-    out = reference_run("sft", *run_args("sft", tiny_model, toy_prompts, False, "zero3"), *free)
-    assert json.loads((out / ckpt.MANIFEST).read_text())["zero_stage"] == 3
+    reference = reference_run(stage, *run_args(stage, tiny_model, toy_prompts, False), *free)
+    out = reference_run(stage, *run_args(stage, tiny_model, toy_prompts, False, "zero3"), *free)
+    manifests = [json.loads((folder / ckpt.MANIFEST).read_text()) for folder in (out, reference)]
+    assert manifests[0]["zero_stage"] == 3
+    assert all(m["config"]["padding_free"] is True for m in manifests)
     assert max_difference(weights(out), weights(reference)) < 1e-4
-    assert max_difference(weights(reference), weights(tiny_model)) > 1e-3
+    trained, initial = weights(reference), weights(tiny_model)  # (the reward model's score head is new)
+    assert max_difference({k: trained[k] for k in initial}, initial) > 1e-3
 
 
 @pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero3"), ("reward_model", "zero3")])
