@@ -244,7 +244,7 @@ def test_padding_free_falls_back_when_attention_mixes_packed_texts(tiny_model, a
 
     from trainer.engine import attention
 
-    def whole_row(module, query, key, value, bounds, dropout, scaling):  # the row's causal attention, no bounds
+    def whole_row(module, query, key, value, bounds, dropout, scaling, longest=None):  # the row's causal attention, no bounds
         groups = query.shape[1] // key.shape[1]
         return F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
                                               value.repeat_interleave(groups, 1), is_causal=True,

@@ -110,7 +110,7 @@ def test_padding_free_is_the_default_and_falls_back_when_attention_mixes_example
     assert all(b.bounds is not None and len(b.input_ids) == 1 for b in trained_on[-2:]), "training stays one-row"
     assert json.loads((kept / ckpt.MANIFEST).read_text())["config"]["padding_free"] is True
 
-    def whole_row(module, query, key, value, bounds, dropout, scaling):  # the row's causal attention, no bounds
+    def whole_row(module, query, key, value, bounds, dropout, scaling, longest=None):  # the row's causal attention, no bounds
         groups = query.shape[1] // key.shape[1]
         return F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
                                               value.repeat_interleave(groups, 1), is_causal=True,

@@ -94,6 +94,7 @@ SHARED_LAYOUT_KWARG = "shared_prompt_layout"
 # name for it, which its flash-attention kernels read too). `shared_prompt_attention` then runs each sequence as
 # a row of a padded batch (`per_sequence_attention`).
 PACKED_BOUNDS_KWARG = "cu_seq_lens_q"
+PACKED_LONGEST_KWARG = "max_length_q"  # and the longest sequence's length, a Python int (transformers' name too)
 
 
 def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -115,9 +116,10 @@ def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, valu
 
     layout = kwargs.pop(SHARED_LAYOUT_KWARG, None)
     bounds = kwargs.pop(PACKED_BOUNDS_KWARG, None)
+    longest = kwargs.pop(PACKED_LONGEST_KWARG, None)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if bounds is not None and layout is None and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
-        return per_sequence_attention(module, query, key, value, bounds, dropout, scaling), None
+        return per_sequence_attention(module, query, key, value, bounds, dropout, scaling, longest), None
     dtype = _cpu_half_dtype(query)
     if layout is None and dtype is not None and torch.is_grad_enabled() and query.shape[2] == key.shape[2] \
             and (attention_mask is None or attention_mask.dim() == 4):
@@ -255,7 +257,8 @@ def dense_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           bounds: torch.Tensor, dropout: float, scaling: float) -> torch.Tensor:
+                           bounds: torch.Tensor, dropout: float, scaling: float,
+                           longest: int | None = None) -> torch.Tensor:
     """Attention within each of the S sequences packed into one row, run as a padded batch of S rows (causal
     unless `module.is_causal` is False, as in BERT-style encoders):
     query [1, H, N, D], key/value [1, H_kv, N, D], `bounds` [S + 1] the sequences' cumulative lengths
@@ -265,10 +268,13 @@ def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value
     (`dense_attention`), else sdpa."""
     N = query.shape[2]
     lengths = bounds.diff()
-    S, T = len(lengths), int(lengths.max())
+    S, T = len(lengths), int(longest) if longest is not None else int(lengths.max())
     col = torch.arange(T, device=query.device)
     real = col[None] < lengths[:, None]  # [S, T]
     index = (bounds[:-1, None] + col[None]).clamp(max=N - 1).flatten()  # row position of each padded slot
+    tokens = torch.arange(N, device=query.device)
+    sequence = torch.searchsorted(bounds[1:], tokens, right=True)  # [N]: the sequence of each row position
+    back = sequence * T + tokens - bounds[sequence]  # [N]: its padded slot
     dtype = _cpu_half_dtype(query)
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [S, h, T, D]
@@ -286,7 +292,7 @@ def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value
         groups = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed,
                                              dropout_p=dropout, scale=scaling).transpose(1, 2)  # [S, T, H, D]
-    return out.reshape(S * T, *out.shape[2:])[real.flatten()][None]
+    return out.reshape(S * T, *out.shape[2:]).index_select(0, back)[None]
 
 
 def register_shared_attention() -> str:

@@ -188,10 +188,12 @@ def test_training_forwards_on_cpu_in_bfloat16_run_dense_attention(tiny_model):
     torch.testing.assert_close(trained[keep], sdpa[0][keep], atol=5e-2 * float(sdpa[0].abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("longest", [None, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_per_sequence_attention_is_the_block_diagonal_attention_of_the_row(dtype):
+def test_per_sequence_attention_is_the_block_diagonal_attention_of_the_row(dtype, longest):
     """One row of packed sequences run as a padded batch (sdpa in float32; dense matmuls in bf16 with gradients):
-    the output and gradients of causal attention under the row's block-diagonal mask, with GQA heads."""
+    the output and gradients of causal attention under the row's block-diagonal mask, with GQA heads; the longest
+    length read from the bounds or given (as a compiled model gets it, `PACKED_LONGEST_KWARG`)."""
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -205,7 +207,7 @@ def test_per_sequence_attention_is_the_block_diagonal_attention_of_the_row(dtype
     bounds = torch.tensor([0, 5, 6, 15, 18])
     module = torch.nn.Module()
     ours = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-    out = per_sequence_attention(module, *ours, bounds, 0.0, D ** -0.5)
+    out = per_sequence_attention(module, *ours, bounds, 0.0, D ** -0.5, longest)
     grads = torch.autograd.grad((out.float() * weights).sum(), ours)
     exact = [x.double().requires_grad_() for x in (q, k, v)]
     ref = F.scaled_dot_product_attention(exact[0], repeat_kv(exact[1], 3), repeat_kv(exact[2], 3),
