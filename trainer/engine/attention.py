@@ -261,7 +261,8 @@ def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value
                            longest: int | None = None) -> torch.Tensor:
     """Attention within each of the S sequences packed into one row, run as a padded batch of S rows (causal
     unless `module.is_causal` is False, as in BERT-style encoders):
-    query [1, H, N, D], key/value [1, H_kv, N, D], `bounds` [S + 1] the sequences' cumulative lengths
+    query [1, H, N, D], key/value [1, H_kv, N, D], `bounds` [S + 1] the sequences' cumulative lengths, `longest`
+    the longest one's length when the caller knows it (read from `bounds` otherwise, a graph break when compiled)
     -> [1, N, H, D]. The same attention as the row's block-diagonal mask gives, at the cost of S rows of the
     longest sequence's width instead of one of all N: in one packed row the linears skip the padding, and the
     attention costs what a padded batch's does. Dense matmuls on the CPU in half precision with gradients
