@@ -97,6 +97,12 @@ PACKED_BOUNDS_KWARG = "cu_seq_lens_q"
 PACKED_LONGEST_KWARG = "max_length_q"  # and the longest sequence's length, a Python int (transformers' name too)
 
 
+def packed_row_kwargs(bounds: torch.Tensor) -> dict:
+    """The forward kwargs of one row of packed sequences whose cumulative lengths are `bounds` [S + 1]: the bounds,
+    and the longest sequence's length as a Python int (so that a compiled layer needs no graph break to read it)."""
+    return {PACKED_BOUNDS_KWARG: bounds, PACKED_LONGEST_KWARG: int(bounds.diff().max())}
+
+
 def shared_prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             **kwargs):

@@ -50,7 +50,7 @@ from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import ROW_MULTIPLE, lay_out_rows
 from trainer.data.preferences import TokenizedPairs, tokenize_reward_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
-from trainer.engine.attention import PACKED_BOUNDS_KWARG, PACKED_LONGEST_KWARG
+from trainer.engine.attention import packed_row_kwargs
 from trainer.engine.loop import total_steps
 from trainer.engine.models import (
     apply_lora,
@@ -186,7 +186,7 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
     backbone, head, reads_first = packed_parts(model)
     # No cache: transformers finds packed sequences in the position ids only without one.
-    kwargs = {PACKED_BOUNDS_KWARG: bounds, PACKED_LONGEST_KWARG: int(bounds.diff().max())} if bounds is not None else {}
+    kwargs = packed_row_kwargs(bounds) if bounds is not None else {}
     if not reads_first:
         kwargs["use_cache"] = False
     hidden = backbone(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state  # [R, T, H]

@@ -29,7 +29,7 @@ from trainer.algorithms.logprobs import TargetLM, log_probs_and_stats, target_lo
 from trainer.config.options import TrainConfig, option
 from trainer.data.formatting import TokenizedSFT, pack_best_fit, tokenize_sft
 from trainer.data.sources import describe_datasets, load_train_eval
-from trainer.engine.attention import PACKED_BOUNDS_KWARG, PACKED_LONGEST_KWARG
+from trainer.engine.attention import packed_row_kwargs
 from trainer.engine.loop import total_steps
 from trainer.engine.models import apply_lora, count_parameters, eval_mode, load_causal_lm, model_and_tokenizer
 from trainer.engine.runner import StageRunner, layouts_agree, to_device
@@ -81,9 +81,7 @@ class SFTBatch:
     @property
     def model_kwargs(self) -> dict | None:
         """Passed to the model's forward: the attention runs each example of a single packed row apart."""
-        if self.bounds is None:
-            return None
-        return {PACKED_BOUNDS_KWARG: self.bounds, PACKED_LONGEST_KWARG: int(self.bounds.diff().max())}
+        return packed_row_kwargs(self.bounds) if self.bounds is not None else None
 
 
 def collate(data: TokenizedSFT, rows: list[list[int]], pad_id: int, packed: bool) -> SFTBatch:
