@@ -61,8 +61,11 @@ def run_args(stage: str, model: str, toy_prompts) -> tuple[str, ...]:
     return "--model", model, "--resume_from_checkpoint", "auto", *stage_args(stage, toy_prompts), *COMMON
 
 
-def command(stage: str, args: tuple[str, ...], out: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.cli", "train", stage, *args, "--output_dir", str(out)]
+def command(stage: str, args: tuple[str, ...], out: Path, paced: bool = False) -> list[str]:
+    """The run's command line; `paced`: each optimizer step 0.1 s longer (tests/paced_cli.py), for a signal that
+    must land before the run ends."""
+    cli = "tests.paced_cli" if paced else "trainer.cli"
+    return [sys.executable, "-m", cli, "train", stage, *args, "--output_dir", str(out)]
 
 
 def env() -> dict[str, str]:
@@ -126,14 +129,14 @@ def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, toy_
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "grpo", "ppo"])
 def test_sigterm_saves_a_checkpoint_and_auto_resumes_to_the_uninterrupted_run(stage, tiny_model, toy_prompts,
                                                                              reference_run, tmp_path):
-    """SIGTERM a random 0-30 ms after the first progress line from step 3 on (`logging_steps` 3; PPO logs at 4; a
-    step takes 40-200 ms here), with periodic saves off: the run saves the step it is in as a complete checkpoint,
+    """SIGTERM a random 0-30 ms after the first progress line from step 3 on (`logging_steps` 3; PPO logs at 4), each
+    step paced to last 0.1 s longer so that the signal lands before the last step, with periodic saves off: the run saves the step it is in as a complete checkpoint,
     the only one, and exits 75; `auto` resumes it (in this process, which saves a start) to the weights and
     metrics of the SIGKILL test's uninterrupted run."""
     args = (*run_args(stage, tiny_model, toy_prompts), "--save_steps", "0")
     straight, out = reference_run(stage, *run_args(stage, tiny_model, toy_prompts)), tmp_path / "stopped"
     delay = random.Random(f"sigterm-{stage}").uniform(0.0, 0.03)
-    stopped = stop_after_step(command(stage, args, out), 3, env(), delay=delay)
+    stopped = stop_after_step(command(stage, args, out, paced=True), 3, env(), delay=delay)
     assert stopped.code == PREEMPTED_EXIT_CODE, stopped.stderr[-4000:]
     saved = [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)]
     assert len(saved) == 1 and 3 <= saved[0] < STEPS, (saved, stopped.stderr[-4000:])
