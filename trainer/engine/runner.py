@@ -68,13 +68,23 @@ def to_device(batch, device):
     return dataclasses.replace(batch, **moved) if moved else batch
 
 
+@contextlib.contextmanager
+def layout_check(model) -> Iterator[None]:
+    """The forwards of a one-off check that a stage runs before training (`score_both_layouts`, SFT's
+    `padding_free_is_exact`): eval mode, no gradients (not inference_mode: ZeRO-3 would gather parameters into
+    inference tensors), and eager under `torch_compile`, where each layout would compile graphs of its own
+    (seconds each) that no training step runs."""
+    with eval_mode(model), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        yield
+
+
 def score_both_layouts(model, score, collate, data, pad_id: int, pack_to: int, device) -> tuple:
     """(padded, packed): `score(model, batch)` of the shortest few pairs of `data` (`TokenizedPairs`), collated
     padded and packed into rows of `pack_to`. A stage compares the two before it trusts `padding_free`: a model
     whose attention ignores restarting position ids lets packed sequences attend to each other. The shortest
     pairs pack several sequences per row and cost little to score twice."""
     indices = sorted(range(len(data)), key=data.pair_length)[:4]
-    with eval_mode(model), torch.no_grad():  # not inference_mode: ZeRO-3 would gather parameters into inference tensors
+    with layout_check(model):
         return tuple(score(model, to_device(collate(data, indices, pad_id, width), device)) for width in (0, pack_to))
 
 

@@ -31,8 +31,8 @@ from trainer.data.formatting import TokenizedSFT, pack_best_fit, tokenize_sft
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine.attention import packed_row_kwargs
 from trainer.engine.loop import total_steps
-from trainer.engine.models import apply_lora, count_parameters, eval_mode, load_causal_lm, model_and_tokenizer
-from trainer.engine.runner import StageRunner, layouts_agree, to_device
+from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
+from trainer.engine.runner import StageRunner, layout_check, layouts_agree, to_device
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def padding_free_is_exact(model, data: TokenizedSFT, pad_id: int, config: SFTCon
     shortest = sorted(range(len(data)), key=lambda i: int(data.lengths[i]))[:4]
     rows = [[i] for i in shortest]
     scores = []
-    with eval_mode(model), torch.no_grad():
+    with layout_check(model):
         for batch in (collate(data, rows, pad_id, packed=False), micro_batch(data, rows, pad_id, config, one_row)):
             b = to_device(batch, device)
             out = target_logits(model, b.input_ids, b.target_mask, b.attention_mask, b.position_ids,
