@@ -146,6 +146,18 @@ def collate(data: TokenizedPairs, indices: list[int], pad_id: int, pack_to: int 
                      num_tokens)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """`collate`'s padding and packing arguments, fixed for a run: `pack_to` 0 pads each micro-batch."""
+
+    pad_id: int
+    pack_to: int = 0
+    one_row: bool = False
+
+    def collate(self, data: TokenizedPairs, indices: list[int]) -> PairBatch:
+        return collate(data, indices, self.pad_id, self.pack_to, self.one_row)
+
+
 def _last_non_pad(ids: list[int], pad_id: int) -> int:
     """Index of the last token that is not `pad_id` (0 if none), as transformers' sequence classifiers find it."""
     return next((j for j in reversed(range(len(ids))) if ids[j] != pad_id), 0)
@@ -223,13 +235,13 @@ def pair_rewards(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return chosen, rejected
 
 
-def packing_is_exact(model, data: TokenizedPairs, layout: dict, device="cpu") -> bool:
-    """Whether `model` scores packed texts (`layout`: `collate`'s packing arguments) as it scores them padded,
+def packing_is_exact(model, data: TokenizedPairs, layout: Layout, device="cpu") -> bool:
+    """Whether `model` scores packed texts (laid out as `layout` packs them) as it scores them padded,
     i.e. its attention keeps packed texts apart (through their bounds in one row, or the restarting position ids;
     some remote-code models follow neither). Logs a warning when not: the run then trains padded."""
     padded, packed = score_both_layouts(model, lambda m, batch: torch.cat(pair_rewards(m, batch)),
-                                        functools.partial(collate, one_row=layout["one_row"]), data,
-                                        layout["pad_id"], layout["pack_to"], device)
+                                        functools.partial(collate, one_row=layout.one_row), data,
+                                        layout.pad_id, layout.pack_to, device)
     error = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
     if error > tolerance:
@@ -241,14 +253,14 @@ def packing_is_exact(model, data: TokenizedPairs, layout: dict, device="cpu") ->
 
 
 @torch.no_grad()
-def evaluate(run: StageRunner, data: TokenizedPairs, layout: dict) -> dict[str, float]:
+def evaluate(run: StageRunner, data: TokenizedPairs, layout: Layout) -> dict[str, float]:
     """Loss and statistics over the whole eval set (not a mean of batch means); each rank scores its share."""
     from accelerate.utils import gather_object
 
     run.module.eval()
     chosen, rejected = [], []
     for part in run.rank_slice(len(data), run.config.eval_batch_size):
-        batch = to_device(collate(data, list(part or range(1)), **layout), run.device)
+        batch = to_device(layout.collate(data, list(part or range(1))), run.device)
         with run.accelerator.autocast():
             c, r = pair_rewards(run.model, batch)  # an empty share still runs one forward (ZeRO-3)
         if len(part):
@@ -276,11 +288,11 @@ def _score_head(model) -> str:
 # The stage
 
 
-def train_step(run: StageRunner, data: TokenizedPairs, layout: dict) -> dict[str, float]:
-    """One optimizer step over this rank's share of the step's pairs (`layout`: `collate`'s padding and packing
-    arguments); returns the step's metrics."""
+def train_step(run: StageRunner, data: TokenizedPairs, layout: Layout) -> dict[str, float]:
+    """One optimizer step over this rank's share of the step's pairs, laid out by `layout`; returns the step's
+    metrics."""
     step = run.state.global_step + 1
-    micro = [(collate(data, part.indices, **layout), part.weight)
+    micro = [(layout.collate(data, part.indices), part.weight)
              for part in run.rank_batches(len(data), step)]
     step_pairs = run.sum_over_ranks({"n": sum(w * b.num_pairs for b, w in micro)})["n"]
     sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward", "tokens"), 0.0)
@@ -360,10 +372,10 @@ def run_reward(config: RewardConfig) -> str:
         run.prepare(model, tokenizer, steps, describe_datasets(config, rows, eval_rows, {"pairs": len(train_data)},
                                                     {"pairs": len(eval_data)} if eval_data is not None else None),
                     wrap=PackedRewards if config.padding_free else None)
-        layout = {"pad_id": tokenizer.pad_token_id, "pack_to": config.max_length if config.padding_free else 0,
-                  "one_row": run.device.type == "cpu"}
-        if layout["pack_to"] and not packing_is_exact(run.model_without_autocast(), train_data, layout, run.device):
-            layout["pack_to"], config.padding_free = 0, False  # so the manifest says what ran
+        layout = Layout(tokenizer.pad_token_id, config.max_length if config.padding_free else 0,
+                        one_row=run.device.type == "cpu")
+        if layout.pack_to and not packing_is_exact(run.model_without_autocast(), train_data, layout, run.device):
+            layout, config.padding_free = Layout(layout.pad_id), False  # so the manifest says what ran
 
         # 3. The loop.
         evaluate_now = (lambda: evaluate(run, eval_data, layout)) if eval_data else None
