@@ -129,10 +129,10 @@ def test_random_sigkills_resume_to_the_uninterrupted_run(stage, tiny_model, toy_
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "grpo", "ppo"])
 def test_sigterm_saves_a_checkpoint_and_auto_resumes_to_the_uninterrupted_run(stage, tiny_model, toy_prompts,
                                                                              reference_run, tmp_path):
-    """SIGTERM a random 0-30 ms after the first progress line from step 3 on (`logging_steps` 3; PPO logs at 4), each
-    step paced to last 0.1 s longer so that the signal lands before the last step, with periodic saves off: the run saves the step it is in as a complete checkpoint,
-    the only one, and exits 75; `auto` resumes it (in this process, which saves a start) to the weights and
-    metrics of the SIGKILL test's uninterrupted run."""
+    """SIGTERM a random 0-30 ms after the first progress line from step 3 on (`logging_steps` 3; PPO logs at 4),
+    each step paced to last 0.1 s longer so that the signal lands before the last step, with periodic saves off:
+    the run saves the step it is in as a complete checkpoint, the only one, and exits 75; `auto` resumes it (in
+    this process, which saves a start) to the weights and metrics of the SIGKILL test's uninterrupted run."""
     args = (*run_args(stage, tiny_model, toy_prompts), "--save_steps", "0")
     straight, out = reference_run(stage, *run_args(stage, tiny_model, toy_prompts)), tmp_path / "stopped"
     delay = random.Random(f"sigterm-{stage}").uniform(0.0, 0.03)
