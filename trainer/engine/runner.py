@@ -263,6 +263,14 @@ class StageRunner:
 
     # --- data ----------------------------------------------------------------------------------
 
+    @property
+    def one_row(self) -> bool:
+        """Whether a padding-free micro-batch packs into one row, each sequence's attention run apart through
+        the row's bounds (`attention.per_sequence_attention`): on the CPU. Elsewhere rows of at most
+        `max_length`, as transformers builds their block-diagonal mask over the whole row (and flash attention
+        would read the bounds its own way)."""
+        return self.device.type == "cpu"
+
     def rank_batches(self, num_examples: int, step: int) -> list[RankBatch]:
         """This rank's slice of each micro-batch of optimizer step `step` (1-based); see the module docstring."""
         size = self.config.per_device_batch_size

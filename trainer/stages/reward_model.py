@@ -373,7 +373,7 @@ def run_reward(config: RewardConfig) -> str:
                                                     {"pairs": len(eval_data)} if eval_data is not None else None),
                     wrap=PackedRewards if config.padding_free else None)
         layout = Layout(tokenizer.pad_token_id, config.max_length if config.padding_free else 0,
-                        one_row=run.device.type == "cpu")
+                        one_row=run.one_row)
         if layout.pack_to and not packing_is_exact(run.model_without_autocast(), train_data, layout, run.device):
             layout, config.padding_free = Layout(layout.pad_id), False  # so the manifest says what ran
 

@@ -137,15 +137,20 @@ def micro_batch(data: TokenizedSFT, rows: list[list[int]], pad_id: int, config: 
     return collate(data, rows, pad_id, config.packing)
 
 
-def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Summed negative log-likelihood of the batch's targets, and detached statistics."""
+def target_log_probs(model, batch: SFTBatch, stats: tuple[str, ...] = ()):
+    """Log-probs of the batch's targets [N], their requested statistics ({[N]}) and the targets [N]."""
     out = target_logits(model, batch.input_ids, batch.target_mask, batch.attention_mask, batch.position_ids,
                         model_kwargs=batch.model_kwargs)
-    logps, row = log_probs_and_stats(out.logits, out.targets, ("entropy", "argmax"))  # [N], {[N]}
+    return *log_probs_and_stats(out.logits, out.targets, stats), out.targets
+
+
+def token_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Summed negative log-likelihood of the batch's targets, and detached statistics."""
+    logps, row, targets = target_log_probs(model, batch, ("entropy", "argmax"))
     stats = {
         "entropy_sum": float(row["entropy"].sum()),
-        "correct": float((row["argmax"] == out.targets).sum()),
-        "targets": float(out.targets.numel()),
+        "correct": float((row["argmax"] == targets).sum()),
+        "targets": float(targets.numel()),
     }
     return -logps.sum(), stats
 
@@ -160,10 +165,7 @@ def padding_free_is_exact(model, data: TokenizedSFT, pad_id: int, config: SFTCon
     scores = []
     with layout_check(model):
         for batch in (collate(data, rows, pad_id, packed=False), micro_batch(data, rows, pad_id, config, one_row)):
-            b = to_device(batch, device)
-            out = target_logits(model, b.input_ids, b.target_mask, b.attention_mask, b.position_ids,
-                                model_kwargs=b.model_kwargs)
-            scores.append(log_probs_and_stats(out.logits, out.targets, ())[0])
+            scores.append(target_log_probs(model, to_device(batch, device))[0])
     return layouts_agree(model, *scores, len(scores[0]), "Training on padded batches.")
 
 
@@ -221,11 +223,7 @@ def _prompt_texts(rows, tokenizer, n: int) -> list[str]:
 def train_step(run: StageRunner, units: list[list[int]], data: TokenizedSFT, pad_id: int) -> dict[str, float]:
     """One optimizer step over this rank's share of the step's micro-batches; returns the step's metrics."""
     step = run.state.global_step + 1
-    # Padding-free on the CPU: one row per micro-batch, each example's attention run apart
-    # (`per_sequence_attention`). Elsewhere rows of at most max_length, as transformers builds their
-    # block-diagonal mask over the whole row (and flash attention would read `bounds` its own way).
-    one_row = run.device.type == "cpu"
-    micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config, one_row), part.weight)
+    micro = [(micro_batch(data, [units[u] for u in part.indices], pad_id, run.config, run.one_row), part.weight)
              for part in run.rank_batches(len(units), step)]
     # The loss is summed over the step's target tokens on all ranks, divided by their number
     # (x world size: DDP and DeepSpeed average the ranks' gradients). collate zeroes position 0.
@@ -287,7 +285,7 @@ def run_sft(config: SFTConfig) -> str:
         # 3. The loop.
         pad_id = tokenizer.pad_token_id
         if config.padding_free and not config.packing and not padding_free_is_exact(
-                run.model_without_autocast(), train_data, pad_id, config, run.device.type == "cpu", run.device):
+                run.model_without_autocast(), train_data, pad_id, config, run.one_row, run.device):
             config.padding_free = False  # so the manifest says what ran
         evaluate_now = (lambda: evaluate(run, eval_data, pad_id)) if eval_data else None
         while run.state.global_step < steps:
