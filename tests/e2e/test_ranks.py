@@ -15,7 +15,8 @@ SeaweedFS; under DDP, a run stopped by SIGTERM to its launcher (both ranks stop 
 checkpoint, exit 75) resumes to them from a local folder. PPO under ZeRO (issue 14) is compared the
 same way, with its value function: the value head, and the critic network (PPO on plain DDP with the critic
 network: tests/e2e/test_ppo_ranks.py, against the same one-process runs). The `zero3_offload` preset
-(optimizer state and step on the CPU) is compared once, for SFT.
+(optimizer state and step on the CPU) is compared once, for SFT, and so is `torch_compile` (compiled decoder layers
+on two ranks under DDP and ZeRO-2, against the one eager rank).
 
 Every uninterrupted run is a session reference (tests/references.py), trained once.
 """
@@ -139,6 +140,23 @@ def test_padding_free_two_ranks_under_zero3_match_one(stage, tiny_model, toy_pro
     assert max_difference(weights(out), weights(reference)) < 1e-4
     trained, initial = weights(reference), weights(tiny_model)  # (the reward model's score head is new)
     assert max_difference({k: trained[k] for k in initial}, initial) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero2"])
+def test_compiled_two_ranks_match_one_eager_rank(mode, tiny_model, toy_prompts, reference_run, tmp_path):
+    """`torch_compile` on two ranks (DDP's gradient hooks, or ZeRO-2's, around compiled decoder layers) trains the
+    weights one eager rank trains; each rank traced its layers with dynamo (its log), and the manifest records the
+    compiled run."""
+    reference = reference_run("sft", *run_args("sft", tiny_model, toy_prompts, False))
+    done = train_cli("sft", *run_args("sft", tiny_model, toy_prompts, False, mode), "--torch_compile", "true",
+                     "--output_dir", str(tmp_path / "out"), env={"TORCH_LOGS": "dynamo"})
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\]:.*torchdynamo done tracing forward", done.stdout + done.stderr)
+    manifest = json.loads((tmp_path / "out" / ckpt.MANIFEST).read_text())
+    assert (manifest["world_size"], manifest["zero_stage"], manifest["config"]["torch_compile"]) == \
+        (2, ZERO_STAGE[mode], True)
+    assert max_difference(weights(tmp_path / "out"), weights(reference)) < 1e-4
+    assert max_difference(weights(reference), weights(tiny_model)) > 1e-3
 
 
 @pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero3"), ("reward_model", "zero3")])
