@@ -190,8 +190,11 @@ class VLLMEngine(EngineContext):
         return results
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        dtype = self.llm.llm_engine.model_config.dtype  # e.g. bf16 rollouts of a float32 (mixed precision) model
-        weights = [(name, tensor.detach().to(dtype)) for name, tensor in named_tensors]
+        # A float32 (mixed precision) model's weights reach bf16 rollouts as vLLM's loaders copy them into its
+        # parameters, which rounds them as a cast does. On the CPU the model is not cast first: for SmolLM2 that
+        # took 0.08-0.1 s of a 0.31-s push, and a bf16 copy of all weights (benchmarks/NOTES.md, "ninth session").
+        dtype = self.llm.llm_engine.model_config.dtype
+        weights = [(name, tensor.detach().to(dtype) if self._cuda else tensor.detach()) for name, tensor in named_tensors]
         check_complete((name for name, _ in weights), self._weight_names)
         if self._asleep and not self._weights_back:
             self.llm.wake_up(tags=["weights"])  # the weights' memory only: the KV cache stays free until generate()
