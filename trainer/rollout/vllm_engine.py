@@ -191,8 +191,9 @@ class VLLMEngine(EngineContext):
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # A float32 (mixed precision) model's weights reach bf16 rollouts as vLLM's loaders copy them into its
-        # parameters, which rounds them as a cast does. On the CPU the model is not cast first: for SmolLM2 that
-        # took 0.08-0.1 s of a 0.31-s push, and a bf16 copy of all weights (benchmarks/NOTES.md, "ninth session").
+        # parameters, which rounds them as a cast does. On the CPU the model is not cast first, which saves a bf16
+        # copy of every weight and, for SmolLM2, 0.02 s of the 0.24-s push in `alignflow train grpo` (0.08-0.1 s
+        # of 0.31 s standalone; benchmarks/NOTES.md, "ninth session").
         dtype = self.llm.llm_engine.model_config.dtype
         weights = [(name, tensor.detach().to(dtype) if self._cuda else tensor.detach()) for name, tensor in named_tensors]
         check_complete((name for name, _ in weights), self._weight_names)
