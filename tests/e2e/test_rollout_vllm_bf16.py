@@ -4,9 +4,6 @@ float32 engine."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 
 from tests.helpers import needs_vllm, perturb
@@ -15,7 +12,7 @@ from trainer.rollout import SamplingConfig
 pytestmark = needs_vllm
 
 
-def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model):
+def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model, monkeypatch):
     """The engine takes the float32 weights as they are (vLLM's loaders round them into its bf16 parameters) and
     samples exactly what it samples, tokens and log-probs, from the same weights cast to bf16 first."""
     from transformers import AutoModelForCausalLM
@@ -28,9 +25,8 @@ def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40)]
     sampling = SamplingConfig(max_new_tokens=16, n=2, temperature=1.0, seed=8)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        engine = VLLMEngine(tiny_model, max_model_len=512, seed=0, dtype="bfloat16")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM-CPU reserves a share of all RAM
+    engine = VLLMEngine(tiny_model, max_model_len=512, seed=0, dtype="bfloat16")
     try:
         start = engine.generate(prompts, sampling)
         engine.sync_weights(model.state_dict().items())  # float32, as they are
