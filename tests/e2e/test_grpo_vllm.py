@@ -20,9 +20,23 @@ pytestmark = needs_vllm
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
 def test_inprocess_vllm_engine_learns_toy_task(tiny_model, tmp_path, monkeypatch, bf16):
     """Mean reward closes at least half of the gap to 1.0 within 60 steps, weights pushed every step;
-    also with bf16 mixed precision, where vLLM samples in bfloat16 from the float32 weights."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    run_grpo(grpo_config(tiny_model, tmp_path, rollout_engine="vllm", max_steps=60, learning_rate=2e-2, bf16=bf16))
+    also with bf16 mixed precision, where vLLM samples in bfloat16 from the float32 weights, and with the KV
+    cache the stage sizes (VLLM_CPU_KVCACHE_SPACE unset): room for a step's completions at full length."""
+    from trainer.rollout import vllm_engine
+
+    sized = []
+    if bf16:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        size = vllm_engine.cpu_kv_cache_bytes
+        monkeypatch.setattr(vllm_engine, "cpu_kv_cache_bytes", lambda *a, **kw: sized.append(kw) or size(*a, **kw))
+    else:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = grpo_config(tiny_model, tmp_path, rollout_engine="vllm", max_steps=60, learning_rate=2e-2, bf16=bf16)
+    run_grpo(config)
+    if bf16:
+        [kw] = sized
+        assert kw["sequences"] >= config.prompts_per_cycle * config.num_generations >= 2, kw
+        assert kw["max_model_len"] == config.max_prompt_length + config.max_completion_length
     rewards = rewards_of(tmp_path / "out")
     start, end = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert end - start >= 0.5 * (1.0 - start), f"start {start:.3f} end {end:.3f}: {rewards}"

@@ -14,10 +14,12 @@ pytestmark = needs_vllm
 
 def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model, monkeypatch):
     """The engine takes the float32 weights as they are (vLLM's loaders round them into its bf16 parameters) and
-    samples exactly what it samples, tokens and log-probs, from the same weights cast to bf16 first."""
+    samples exactly what it samples, tokens and log-probs, from the same weights cast to bf16 first.
+    Without VLLM_CPU_KVCACHE_SPACE its KV cache is the one its largest call needs (vLLM's default takes a share of
+    all RAM)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.rollout.vllm_engine import VLLMEngine
+    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, VLLMEngine, cpu_kv_cache_bytes
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     initial = {name: t.clone() for name, t in model.state_dict().items()}
@@ -25,9 +27,13 @@ def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model, mon
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40)]
     sampling = SamplingConfig(max_new_tokens=16, n=2, temperature=1.0, seed=8)
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM-CPU reserves a share of all RAM
-    engine = VLLMEngine(tiny_model, max_model_len=512, seed=0, dtype="bfloat16")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    engine = VLLMEngine(tiny_model, max_model_len=512, seed=0, dtype="bfloat16", max_sequences=4)
     try:
+        config = model.config  # keys and values of each layer's KV heads, in bf16
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+        wanted = cpu_kv_cache_bytes(tiny_model, max_model_len=512, sequences=4, dtype="bfloat16")
+        assert engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == wanted // (CPU_BLOCK_SIZE * per_token)
         start = engine.generate(prompts, sampling)
         engine.sync_weights(model.state_dict().items())  # float32, as they are
         as_is = engine.generate(prompts, sampling)

@@ -24,7 +24,8 @@ __all__ = ["ENGINE_KINDS", "Completion", "HFEngine", "RolloutEngine", "SamplingC
 def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: int, dtype: str = "float32",
                 seed: int = 0, gpu_memory_utilization: float = 0.3, server_devices: str | None = None,
                 server_url: str | None = None, server_timeout_s: float = 240, group_port: int | None = DEFAULT_PORT,
-                weight_channel: str | None = None, synced_gpus: bool = False, sleep_mode: bool = False) -> RolloutEngine:
+                weight_channel: str | None = None, synced_gpus: bool = False, sleep_mode: bool = False,
+                max_sequences: int | None = None) -> RolloutEngine:
     """Build a rollout engine.
 
     `model` / `tokenizer` serve the ``hf`` engine; the vLLM engines load `model_path` (an HF
@@ -37,6 +38,7 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
     (server_client.CHANNELS; None chooses).
     `synced_gpus`: the hf engine's ranks step together (DeepSpeed ZeRO-3 on several ranks).
     `sleep_mode`: the ``vllm`` engine frees its GPU memory when told to sleep (VLLMEngine.sleep; GPUs only).
+    `max_sequences`: the most sequences one generate() call holds; on the CPU it sizes the ``vllm`` engine's KV cache.
     """
     if kind == "hf":
         return HFEngine(model, tokenizer, seed=seed, max_model_len=max_model_len, synced_gpus=synced_gpus)
@@ -61,4 +63,5 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
     if not vllm_engine.vllm_available():
         raise MissingExtra(message("vllm", f"The {kind!r} rollout engine (the 'hf' engine needs nothing more)"))
     return vllm_engine.VLLMEngine(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
-                                  gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode)
+                                  gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
+                                  max_sequences=max_sequences)

@@ -10,6 +10,13 @@ samples of a prompt share its prefilled KV only in full blocks, so with 128-toke
 prompt was prefilled G times (1.0 s of a 4.3 s rollout at G = 8 on SmolLM2), with 32-token blocks 64 of its
 tokens once. Decoding is as fast with either (benchmarks/NOTES.md).
 
+On the CPU the in-process engine's KV cache holds the sequences of the stage's largest `generate()` call at
+`max_model_len` (`cpu_kv_cache_bytes`, at least `MIN_CPU_KV_CACHE`), unless `VLLM_CPU_KVCACHE_SPACE` (GiB) sets it.
+vLLM's own default there reserves `gpu_memory_utilization` (0.3) of the host's RAM, less what the process already
+holds: ~5 GiB of a 24-GiB machine for SmolLM2's 0.2 GiB of KV, and a start refused where that much is not free.
+On this 2-core machine the smaller cache also made `alignflow train grpo`'s step 7% faster (benchmarks/NOTES.md,
+"twelfth session").
+
 After every weight push the prefix cache is reset. vLLM caches the KV of full blocks of prompt
 tokens (`CPU_BLOCK_SIZE` on CPU) and would otherwise serve prompts longer than a block from KV
 computed with the old weights.
@@ -51,6 +58,7 @@ from trainer.rollout.base import (
 
 LOGPROBS_MODE = "processed_logprobs"
 CPU_BLOCK_SIZE = 32  # the smallest vLLM-CPU's attention takes (module docstring); the rollout server's too
+MIN_CPU_KV_CACHE = 256 * 2**20  # bytes; slack for models whose config under-counts their KV (module docstring)
 
 
 def vllm_available() -> bool:
@@ -120,6 +128,24 @@ def quiet_benign_reload_warning() -> None:
         logger.addFilter(_BenignReloadWarning())
 
 
+def cpu_kv_cache_bytes(model_path: str, *, max_model_len: int, sequences: int, dtype: str) -> int | None:
+    """Bytes of KV cache for `sequences` sequences of `max_model_len` tokens (in whole CPU blocks) of the model at
+    `model_path` in `dtype`, at least MIN_CPU_KV_CACHE; None where its config does not give the attention's shape
+    (vLLM then sizes the cache itself)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    element = getattr(torch, dtype, None)
+    if not layers or not heads or not isinstance(element, torch.dtype):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = 2 * layers * kv_heads * head_dim * element.itemsize  # keys and values
+    tokens = sequences * -(-max_model_len // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE
+    return max(tokens * per_token, MIN_CPU_KV_CACHE)
+
+
 # ----------------------------------------------------------------------------------------------
 # In-process engine
 
@@ -128,7 +154,9 @@ class VLLMEngine(EngineContext):
     """vLLM's `LLM` in the training process, sharing its device (CPU or GPU)."""
 
     def __init__(self, model_path: str, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, max_sequences: int | None = None):
+        """`max_sequences`: the most sequences one generate() call holds (prompts x n); on the CPU it sizes the KV
+        cache (module docstring). None: vLLM's default there, unless VLLM_CPU_KVCACHE_SPACE is set."""
         # The engine core must run in this process (no background process, "uni" executor), so
         # weight pushes and sampling stay in this process and its RNG; vLLM reads this at start.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -138,6 +166,10 @@ class VLLMEngine(EngineContext):
         self._weight_names = checkpoint_weight_names(model_path)
         quiet_benign_reload_warning()
         cuda = torch.cuda.is_available()
+        kv_cache_bytes = None
+        if not cuda and max_sequences and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_bytes = cpu_kv_cache_bytes(model_path, max_model_len=max_model_len, sequences=max_sequences,
+                                                dtype=dtype)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         rng_states = _global_rng_states()
         start = time.perf_counter()
@@ -145,8 +177,8 @@ class VLLMEngine(EngineContext):
             self.llm = LLM(
                 model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                 # On CPU this is the fraction of host RAM reserved for weights + KV cache, unless
-                # VLLM_CPU_KVCACHE_SPACE (GiB) sets the KV cache size.
-                gpu_memory_utilization=gpu_memory_utilization,
+                # kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE (GiB) sets the KV cache size.
+                gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
                 enforce_eager=True,  # no CUDA graphs / torch.compile: start in seconds, weights swap in place
                 distributed_executor_backend="uni", logprobs_mode=LOGPROBS_MODE,
                 generation_config="vllm",  # sampling defaults come from SamplingConfig only

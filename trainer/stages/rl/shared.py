@@ -324,7 +324,8 @@ def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) ->
                            server_devices=config.vllm_server_devices, server_url=server,
                            server_timeout_s=config.vllm_server_timeout, group_port=config.vllm_group_port,
                            synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3,
-                           sleep_mode=config.vllm_enable_sleep_mode)
+                           sleep_mode=config.vllm_enable_sleep_mode,
+                           max_sequences=max(config.prompts_per_cycle, eval_prompts_per_batch(config)) * n)
 
     if config.rollout_engine == "vllm-server" and url is None and run.world > 1:
         # Rank 0 of each node starts it and waits until it answers; the node's other ranks then connect to it

@@ -285,3 +285,24 @@ def test_vllm_request_seeds_never_repeat_across_steps_prompts_and_samples():
     assert len(per_sample) == 5 * 16 * 8
     assert request_seed(SamplingConfig(max_new_tokens=4), 3, per_request_seeds=True) is None
     assert request_seed(SamplingConfig(max_new_tokens=4, seed=1), 3, per_request_seeds=False) is None  # CPU
+
+
+def test_the_cpu_kv_cache_holds_the_largest_call_at_full_length(tmp_path):
+    """Keys and values of every layer's KV heads, for each sequence in whole 32-token blocks; at least the floor;
+    None where the config does not give the attention's shape."""
+    from transformers import LlamaConfig
+
+    from trainer.rollout.vllm_engine import MIN_CPU_KV_CACHE, cpu_kv_cache_bytes
+
+    def saved(name: str, **fields) -> str:
+        LlamaConfig(**fields).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    smollm2 = saved("gqa", num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    # SmolLM2-135M: 30 layers x (K + V) x 3 KV heads x 64 dims x 2 bytes = 23,040 bytes a token; 600 -> 608 tokens.
+    assert cpu_kv_cache_bytes(smollm2, max_model_len=600, sequences=64, dtype="bfloat16") == 64 * 608 * 23_040
+    assert cpu_kv_cache_bytes(smollm2, max_model_len=600, sequences=64, dtype="float32") == 2 * 64 * 608 * 23_040
+    assert cpu_kv_cache_bytes(smollm2, max_model_len=576, sequences=16, dtype="bfloat16") == MIN_CPU_KV_CACHE
+    wide = saved("head_dim", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, head_dim=128)
+    assert cpu_kv_cache_bytes(wide, max_model_len=4096, sequences=256, dtype="bfloat16") == 256 * 4096 * 2 * 2 * 4 * 128 * 2
+    assert cpu_kv_cache_bytes(smollm2, max_model_len=600, sequences=64, dtype="auto") is None
