@@ -13,8 +13,8 @@ tokens once. Decoding is as fast with either (benchmarks/NOTES.md).
 On the CPU the in-process engine's KV cache holds the sequences of the stage's largest `generate()` call at
 `max_model_len` (`cpu_kv_cache_bytes`, at least `MIN_CPU_KV_CACHE`), unless `VLLM_CPU_KVCACHE_SPACE` (GiB) sets it.
 vLLM's own default there reserves `gpu_memory_utilization` (0.3) of the host's RAM, less what the process already
-holds: ~5 GiB of a 24-GiB machine for SmolLM2's 0.2 GiB of KV, and a start refused where that much is not free.
-On this 2-core machine the smaller cache also made `alignflow train grpo`'s step 7% faster (benchmarks/NOTES.md,
+holds: ~5.5 GiB of a 24-GiB machine for SmolLM2's 0.2 GiB of KV, and a start refused where that much is not free.
+On this 2-core machine the smaller cache also made `alignflow train grpo`'s step 6% faster (benchmarks/NOTES.md,
 "twelfth session").
 
 After every weight push the prefix cache is reset. vLLM caches the KV of full blocks of prompt
