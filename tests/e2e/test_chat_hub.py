@@ -88,15 +88,27 @@ def test_chat_from_the_registry_champion(sft_checkpoint, tmp_path, capsys):
 
 @needs_vllm
 def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys):
-    """`--engine vllm` (in-process vLLM, in a child process here) gives the greedy reply of the `hf` engine."""
+    """`--engine vllm` (in-process vLLM, in a child process here) gives the greedy reply of the `hf` engine, with
+    the KV cache chat sizes itself on the CPU (VLLM_CPU_KVCACHE_SPACE unset)."""
+    import re
     import subprocess
     import sys
+
+    from transformers import AutoConfig
+
+    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
 
     args = [sft_checkpoint, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "16", "--max_model_len", "256"]
     assert cli.main(["chat", *args]) == 0
     hf_reply = capsys.readouterr().out
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env.update(PYTHONPATH=str(Path(__file__).parents[2]), VLLM_LOGGING_LEVEL="INFO")  # INFO: the KV cache's size
     done = subprocess.run([sys.executable, "-m", "pipelines.cli", "chat", *args, "--engine", "vllm"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert hf_reply.strip() and done.stdout == hf_reply  # stdout holds the reply only (vLLM logs to stderr)
+    config = AutoConfig.from_pretrained(sft_checkpoint)  # float32 keys and values of each layer's KV heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", done.stderr).group(1).replace(",", ""))
+    wanted = cpu_kv_cache_bytes(sft_checkpoint, max_model_len=256, sequences=1, dtype="float32")
+    assert tokens == wanted // (CPU_BLOCK_SIZE * per_token) * CPU_BLOCK_SIZE  # whole blocks (vLLM's default: GiBs)

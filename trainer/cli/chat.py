@@ -142,13 +142,13 @@ def open_session(args: argparse.Namespace, workdir: str) -> ChatSession:
     max_len = context_length(model.config if model is not None else AutoConfig.from_pretrained(path), tokenizer,
                              args.max_model_len)
     if args.engine == "vllm":  # read when vllm is imported, which make_engine does
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM-CPU takes a share of all RAM
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the replies only
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     engine = make_engine(args.engine, model=model if args.engine == "hf" else None, tokenizer=tokenizer,
                          model_path=path, max_model_len=max_len, dtype=args.dtype, seed=seed,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_sequences=1)  # one reply a call: on the CPU, the KV cache of one max_len sequence
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, stop_token_ids=stop_ids(tokenizer, path))
     return ChatSession(tokenizer, engine, sampling, max_len, system=args.system, seed=args.seed)
