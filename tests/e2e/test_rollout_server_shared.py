@@ -202,8 +202,9 @@ def run_watching_servers(command: list[str], stop_at_step: int | None = None
                     line = " ".join(process.cmdline())
                 except psutil.Error:
                     continue
-                tree.append(f"{pid} {line[:140]}")
-                if "trainer.rollout.server" in line:
+                server = "trainer.rollout.server" in line
+                tree.append(f"{pid} {line if server else line[:140]}")  # a server's whole command
+                if server:
                     servers.setdefault(pid, process)
             if any("trainer.rollout.server" in line for line in tree):
                 trees.append("\n".join(tree))
@@ -235,7 +236,8 @@ def test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_an
     """Two ranks, no server address: the job starts one server. SIGTERM to the job after step 1 (periodic saves
     off): both ranks save step 1's checkpoint, the job exits 75, and no process of the server is left. `auto` then
     resumes the run with a new server, which stops when the run ends, and the run ends with the weights of the
-    uninterrupted 1-process run against a hand-started server (the same seeded rollouts)."""
+    uninterrupted 1-process run against a hand-started server (the same seeded rollouts). The server is told the
+    most sequences the node's ranks generate at once (its --max_num_seqs, which sizes a CPU KV cache)."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "trainer.cli", "train", "grpo",
                *grpo_args(tiny_model, str(one_process / "prompts.jsonl"), out, 4, "--num_processes", "2",
@@ -246,6 +248,7 @@ def test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_an
     print("process tree while the job ran:\n" + (trees[len(trees) // 2] if trees else "(none seen)"))
     assert len(servers) == 1, (servers, trees[-1:] if trees else None)
     assert "serves the 2 ranks on" in output and "1 server(s) in the job" in output
+    assert re.search(r"--max_num_seqs 8\b", trees[-1])  # both ranks' calls at once: 2 x 1 prompt x G 4
     saved = [step for step, _ in ckpt.list_checkpoints(str(out), verify=True)]
     assert len(saved) == 1 and saved[0] < 3, (saved, output[-4000:])
     assert not [p for p in servers.values() if alive(p)], "the rollout server outlived a job stopped by SIGTERM"

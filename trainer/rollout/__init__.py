@@ -38,7 +38,8 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
     (server_client.CHANNELS; None chooses).
     `synced_gpus`: the hf engine's ranks step together (DeepSpeed ZeRO-3 on several ranks).
     `sleep_mode`: the ``vllm`` engine frees its GPU memory when told to sleep (VLLMEngine.sleep; GPUs only).
-    `max_sequences`: the most sequences one generate() call holds; on the CPU it sizes the ``vllm`` engine's KV cache.
+    `max_sequences`: the most sequences one generate() call holds (for a server started here: all the calls it serves
+    at once); on the CPU it sizes the KV cache of the ``vllm`` engine and of a started server (its --max_num_seqs).
     """
     if kind == "hf":
         return HFEngine(model, tokenizer, seed=seed, max_model_len=max_model_len, synced_gpus=synced_gpus)
@@ -55,7 +56,8 @@ def make_engine(kind: str, *, model, tokenizer, model_path: str, max_model_len: 
         if not vllm_engine.vllm_available():
             raise MissingExtra(message("vllm", f"The {kind!r} rollout engine (the 'hf' engine needs nothing more)"))
         server = ServerProcess(model_path, max_model_len=max_model_len, dtype=dtype, seed=seed,
-                               gpu_memory_utilization=gpu_memory_utilization, devices=server_devices)
+                               gpu_memory_utilization=gpu_memory_utilization, devices=server_devices,
+                               max_num_seqs=max_sequences)
         return VLLMServerEngine(server.url, max_model_len=max_model_len, timeout_s=server_timeout_s, server=server,
                                 group_port=group_port, channel=weight_channel)
     from trainer.rollout import vllm_engine

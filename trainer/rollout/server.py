@@ -54,7 +54,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # vllm_engine imports vLLM only where it runs it: importing it here loads nothing this package does not already load.
-from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, LOGPROBS_MODE, checkpoint_weight_names
+from trainer.rollout.vllm_engine import (
+    CPU_BLOCK_SIZE,
+    LOGPROBS_MODE,
+    checkpoint_weight_names,
+    cpu_kv_cache_bytes,
+)
 
 SERVED_NAME = "policy"  # the model name requests use, whatever the folder is called
 WORKER_EXTENSION = "trainer.rollout.vllm_ext.WeightSyncExtension"
@@ -72,10 +77,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs per model replica.")
     parser.add_argument("--data_parallel_size", type=int, default=1, help="Model replicas (GPUs: tp x dp).")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.9,
-                        help="Share of each GPU's memory for weights and KV cache (on the CPU: of host RAM, "
-                             "unless VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB).")
+                        help="Share of each GPU's memory for weights and KV cache (GPUs only; see --max_num_seqs for "
+                             "the CPU).")
     parser.add_argument("--max_model_len", type=int, default=None,
                         help="Longest prompt + completion in tokens (default: the model's).")
+    parser.add_argument("--max_num_seqs", type=int, default=None,
+                        help="Most sequences generated at once, over all the requests it serves (vLLM's "
+                             "--max-num-seqs; default: vLLM's). On the CPU the KV cache then holds that many "
+                             "sequences of max_model_len tokens; without it, 4 GiB. VLLM_CPU_KVCACHE_SPACE (GiB) "
+                             "overrides both.")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of unseeded requests.")
     parser.add_argument("--drain_timeout", type=int, default=30,
@@ -83,8 +93,24 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def vllm_arguments(args: argparse.Namespace, cuda: bool) -> list[str]:
-    """vLLM's server flags for these options."""
+def cpu_kv_cache_size(args: argparse.Namespace) -> int | None:
+    """Bytes of CPU KV cache for `--max_num_seqs` sequences of max_model_len tokens (`--dtype auto` counted as
+    float32, the widest); None without --max_num_seqs, with VLLM_CPU_KVCACHE_SPACE set, or where the model's config
+    gives neither a length nor the attention's shape."""
+    if not args.max_num_seqs or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    from transformers import AutoConfig
+
+    length = args.max_model_len or getattr(AutoConfig.from_pretrained(args.model).get_text_config(),
+                                           "max_position_embeddings", None)
+    if not length:
+        return None
+    return cpu_kv_cache_bytes(args.model, max_model_len=length, sequences=args.max_num_seqs,
+                              dtype="float32" if args.dtype == "auto" else args.dtype)
+
+
+def vllm_arguments(args: argparse.Namespace, cuda: bool, kv_cache_bytes: int | None = None) -> list[str]:
+    """vLLM's server flags for these options (`kv_cache_bytes`: the KV cache's size, where it is set)."""
     argv = ["--model", args.model, "--served-model-name", SERVED_NAME, "--host", args.host, "--port", str(args.port),
             "--tensor-parallel-size", str(args.tensor_parallel_size),
             "--data-parallel-size", str(args.data_parallel_size),
@@ -96,6 +122,10 @@ def vllm_arguments(args: argparse.Namespace, cuda: bool) -> list[str]:
             "--disable-uvicorn-access-log"]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.max_num_seqs:
+        argv += ["--max-num-seqs", str(args.max_num_seqs)]
+    if kv_cache_bytes:
+        argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if not cuda:
         # Seeded requests need whole prefills on the CPU (module docstring); one step must then fit a
         # whole prompt. "uni": the model runs in the engine process (no worker process to spawn).
@@ -350,10 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
+    kv_cache_bytes = None
     if not cuda:
         # The engine core in this process (no engine-core process to spawn), read when vLLM starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; unset, vLLM-CPU takes a share of all RAM
+        kv_cache_bytes = cpu_kv_cache_size(args)
+        if kv_cache_bytes is None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB; unset, vLLM-CPU takes a share of all RAM
     # The worker imports trainer.rollout.vllm_ext; make that work without an installed package too.
     root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -362,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_arguments(args, cuda))
+    vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_arguments(args, cuda, kv_cache_bytes))
     configure_logging_from_args(vllm_args)
     validate_parsed_serve_args(vllm_args)
     uvloop.run(serve(vllm_args, args.model))

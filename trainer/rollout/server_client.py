@@ -125,7 +125,8 @@ class ServerProcess:
     """`python -m trainer.rollout.server` in its own process group; stopped with its group on close()."""
 
     def __init__(self, model_path: str, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, devices: str | None = None, port: int | None = None):
+                 gpu_memory_utilization: float = 0.3, devices: str | None = None, port: int | None = None,
+                 max_num_seqs: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workdir = Path(tempfile.mkdtemp(prefix="alignflow-rollout-server-"))
@@ -133,7 +134,8 @@ class ServerProcess:
         command = [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "-m", "trainer.rollout.server",
                    "--model", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
                    "--max_model_len", str(max_model_len), "--dtype", dtype, "--seed", str(seed),
-                   "--gpu_memory_utilization", str(gpu_memory_utilization), "--drain_timeout", "0"]
+                   "--gpu_memory_utilization", str(gpu_memory_utilization), "--drain_timeout", "0",
+                   *(["--max_num_seqs", str(max_num_seqs)] if max_num_seqs else [])]
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set for in-process engines; the server decides
         if devices is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -315,6 +316,9 @@ def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) ->
     config = run.config
     url = (server_url(config.vllm_server_host, config.vllm_server_port, config.vllm_server_base_url)
            if config.rollout_engine == "vllm-server" else None)
+    sequences = max(config.prompts_per_cycle, eval_prompts_per_batch(config)) * n  # of one generate() call
+    if config.rollout_engine == "vllm-server" and url is None:  # the server started here serves the node's ranks
+        sequences *= int(os.environ.get("LOCAL_WORLD_SIZE", run.world))
 
     def make(server: str | None):
         return make_engine(config.rollout_engine, model=model, tokenizer=tokenizer, model_path=model_path,
@@ -325,7 +329,7 @@ def start_engine(run: StageRunner, model, tokenizer, model_path: str, n: int) ->
                            server_timeout_s=config.vllm_server_timeout, group_port=config.vllm_group_port,
                            synced_gpus=run.world > 1 and run.runtime["zero_stage"] == 3,
                            sleep_mode=config.vllm_enable_sleep_mode,
-                           max_sequences=max(config.prompts_per_cycle, eval_prompts_per_batch(config)) * n)
+                           max_sequences=sequences)
 
     if config.rollout_engine == "vllm-server" and url is None and run.world > 1:
         # Rank 0 of each node starts it and waits until it answers; the node's other ranks then connect to it

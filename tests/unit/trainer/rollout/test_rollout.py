@@ -306,3 +306,31 @@ def test_the_cpu_kv_cache_holds_the_largest_call_at_full_length(tmp_path):
     wide = saved("head_dim", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, head_dim=128)
     assert cpu_kv_cache_bytes(wide, max_model_len=4096, sequences=256, dtype="bfloat16") == 256 * 4096 * 2 * 2 * 4 * 128 * 2
     assert cpu_kv_cache_bytes(smollm2, max_model_len=600, sequences=64, dtype="auto") is None
+
+
+def test_the_rollout_server_sizes_its_cpu_kv_cache_to_max_num_seqs(tmp_path, monkeypatch):
+    """`alignflow rollout-server --max_num_seqs N`: vLLM's --max-num-seqs, and on the CPU a KV cache of N sequences at
+    max_model_len (the model's when unset; `--dtype auto` counted as float32); without N, or with
+    VLLM_CPU_KVCACHE_SPACE set, no size of its own (the server then keeps its 4 GiB default or the variable's)."""
+    from transformers import LlamaConfig
+
+    from trainer.rollout.server import cpu_kv_cache_size, make_parser, vllm_arguments
+
+    LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                max_position_embeddings=2048).save_pretrained(tmp_path)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+
+    def size(*flags: str) -> int | None:
+        return cpu_kv_cache_size(make_parser().parse_args(["--model", str(tmp_path), *flags]))
+
+    per_token = 23_040  # SmolLM2's shape in bf16: 30 layers x (K + V) x 3 KV heads x 64 dims x 2 bytes
+    assert size("--max_num_seqs", "32", "--max_model_len", "600", "--dtype", "bfloat16") == 32 * 608 * per_token
+    assert size("--max_num_seqs", "32", "--dtype", "bfloat16") == 32 * 2048 * per_token
+    assert size("--max_num_seqs", "32") == 2 * 32 * 2048 * per_token  # auto: as float32
+    assert size() is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert size("--max_num_seqs", "32") is None
+    args = make_parser().parse_args(["--model", str(tmp_path), "--max_num_seqs", "32"])
+    argv = vllm_arguments(args, cuda=False, kv_cache_bytes=12345)
+    assert argv[argv.index("--max-num-seqs") + 1] == "32" and argv[argv.index("--kv-cache-memory-bytes") + 1] == "12345"
+    assert "--max-num-seqs" not in vllm_arguments(make_parser().parse_args(["--model", str(tmp_path)]), cuda=False)
