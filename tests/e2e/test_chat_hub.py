@@ -90,13 +90,10 @@ def test_chat_from_the_registry_champion(sft_checkpoint, tmp_path, capsys):
 def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys):
     """`--engine vllm` (in-process vLLM, in a child process here) gives the greedy reply of the `hf` engine, with
     the KV cache chat sizes itself on the CPU (VLLM_CPU_KVCACHE_SPACE unset)."""
-    import re
     import subprocess
     import sys
 
-    from transformers import AutoConfig
-
-    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
+    from tests.helpers import logged_kv_tokens, sized_kv_tokens
 
     args = [sft_checkpoint, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "16", "--max_model_len", "256"]
     assert cli.main(["chat", *args]) == 0
@@ -107,8 +104,5 @@ def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert hf_reply.strip() and done.stdout == hf_reply  # stdout holds the reply only (vLLM logs to stderr)
-    config = AutoConfig.from_pretrained(sft_checkpoint)  # float32 keys and values of each layer's KV heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
-    tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", done.stderr).group(1).replace(",", ""))
-    wanted = cpu_kv_cache_bytes(sft_checkpoint, max_model_len=256, sequences=1, dtype="float32")
-    assert tokens == wanted // (CPU_BLOCK_SIZE * per_token) * CPU_BLOCK_SIZE  # whole blocks (vLLM's default: GiBs)
+    assert logged_kv_tokens(done.stderr) == sized_kv_tokens(sft_checkpoint, max_model_len=256, sequences=1,
+                                                            dtype="float32")  # vLLM's default: GiBs

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import alive, model_greedy, perturb
+from tests.helpers import alive, logged_kv_tokens, model_greedy, perturb, sized_kv_tokens
 from trainer.engine.launch import free_port
 from trainer.rollout import SamplingConfig, make_engine
 from trainer.rollout.server_client import VLLMServerEngine
@@ -86,8 +86,6 @@ def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_ra
     test_without_an_address_two_ranks_start_one_server_which_stops_on_sigterm_and_at_the_end.)
     With VLLM_CPU_KVCACHE_SPACE unset, the engine's `max_sequences` reaches the server as --max_num_seqs, which sizes
     its KV cache (not its 4 GiB default)."""
-    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
-
     model, _ = policy
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 160)]
@@ -99,10 +97,8 @@ def test_sidecar_serves_rollouts_takes_weights_and_is_stopped_when_the_caller_ra
             assert pgid == engine.pid and pgid != os.getpgid(0)  # its own process group
             command = processes[0].cmdline()
             assert command[command.index("--max_num_seqs") + 1] == "12"
-            per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 4
-            wanted = cpu_kv_cache_bytes(tiny_model, max_model_len=512, sequences=12, dtype="float32")
-            tokens = re.search(r"KV cache size: ([\d,]+) tokens", engine.server.log_path.read_text()).group(1)
-            assert int(tokens.replace(",", "")) == wanted // (CPU_BLOCK_SIZE * per_token) * CPU_BLOCK_SIZE
+            assert logged_kv_tokens(engine.server.log_path.read_text()) == sized_kv_tokens(
+                tiny_model, max_model_len=512, sequences=12, dtype="float32")
 
             sampled = engine.generate(prompts, SamplingConfig(max_new_tokens=MAX_NEW, n=4, stop_token_ids=[2]))
             assert [len(s) for s in sampled] == [4, 4, 4]

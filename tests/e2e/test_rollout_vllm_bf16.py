@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers import needs_vllm, perturb
+from tests.helpers import needs_vllm, perturb, sized_kv_tokens
 from trainer.rollout import SamplingConfig
 
 pytestmark = needs_vllm
@@ -19,7 +19,7 @@ def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model, mon
     all RAM)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, VLLMEngine, cpu_kv_cache_bytes
+    from trainer.rollout.vllm_engine import CPU_BLOCK_SIZE, VLLMEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     initial = {name: t.clone() for name, t in model.state_dict().items()}
@@ -30,10 +30,8 @@ def test_a_bfloat16_engine_rounds_float32_weights_as_a_cast_does(tiny_model, mon
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     engine = VLLMEngine(tiny_model, max_model_len=512, seed=0, dtype="bfloat16", max_sequences=4)
     try:
-        config = model.config  # keys and values of each layer's KV heads, in bf16
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
-        wanted = cpu_kv_cache_bytes(tiny_model, max_model_len=512, sequences=4, dtype="bfloat16")
-        assert engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == wanted // (CPU_BLOCK_SIZE * per_token)
+        blocks = engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        assert blocks * CPU_BLOCK_SIZE == sized_kv_tokens(tiny_model, max_model_len=512, sequences=4, dtype="bfloat16")
         start = engine.generate(prompts, sampling)
         engine.sync_weights(model.state_dict().items())  # float32, as they are
         as_is = engine.generate(prompts, sampling)
