@@ -87,7 +87,7 @@ def test_chat_from_the_registry_champion(sft_checkpoint, tmp_path, capsys):
 
 
 @needs_vllm
-def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys):
+def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys, monkeypatch):
     """`--engine vllm` (in-process vLLM, in a child process here) gives the greedy reply of the `hf` engine, with
     the KV cache chat sizes itself on the CPU (VLLM_CPU_KVCACHE_SPACE unset)."""
     import subprocess
@@ -98,8 +98,8 @@ def test_vllm_engine_chats_like_hf(sft_checkpoint, capsys):
     args = [sft_checkpoint, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "16", "--max_model_len", "256"]
     assert cli.main(["chat", *args]) == 0
     hf_reply = capsys.readouterr().out
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    env.update(PYTHONPATH=str(Path(__file__).parents[2]), VLLM_LOGGING_LEVEL="INFO")  # INFO: the KV cache's size
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "VLLM_LOGGING_LEVEL": "INFO"}  # INFO: its size
     done = subprocess.run([sys.executable, "-m", "pipelines.cli", "chat", *args, "--engine", "vllm"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

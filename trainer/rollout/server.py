@@ -95,17 +95,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 def cpu_kv_cache_size(args: argparse.Namespace) -> int | None:
     """Bytes of CPU KV cache for `--max_num_seqs` sequences of max_model_len tokens (`--dtype auto` counted as
-    float32, the widest); None without --max_num_seqs, with VLLM_CPU_KVCACHE_SPACE set, or where the model's config
-    gives neither a length nor the attention's shape."""
-    if not args.max_num_seqs or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    float32, the widest); None without --max_num_seqs, or where `cpu_kv_cache_bytes` gives none (the variable set,
+    or a config without the attention's shape or a length)."""
+    if not args.max_num_seqs:
         return None
-    from transformers import AutoConfig
-
-    length = args.max_model_len or getattr(AutoConfig.from_pretrained(args.model).get_text_config(),
-                                           "max_position_embeddings", None)
-    if not length:
-        return None
-    return cpu_kv_cache_bytes(args.model, max_model_len=length, sequences=args.max_num_seqs,
+    return cpu_kv_cache_bytes(args.model, max_model_len=args.max_model_len, sequences=args.max_num_seqs,
                               dtype="float32" if args.dtype == "auto" else args.dtype)
 
 

@@ -128,16 +128,20 @@ def quiet_benign_reload_warning() -> None:
         logger.addFilter(_BenignReloadWarning())
 
 
-def cpu_kv_cache_bytes(model_path: str, *, max_model_len: int, sequences: int, dtype: str) -> int | None:
-    """Bytes of KV cache for `sequences` sequences of `max_model_len` tokens (in whole CPU blocks) of the model at
-    `model_path` in `dtype`, at least MIN_CPU_KV_CACHE; None where its config does not give the attention's shape
-    (vLLM then sizes the cache itself)."""
+def cpu_kv_cache_bytes(model_path: str, *, max_model_len: int | None, sequences: int, dtype: str) -> int | None:
+    """Bytes of KV cache for `sequences` sequences of `max_model_len` tokens (in whole CPU blocks; None: the
+    config's `max_position_embeddings`) of the model at `model_path` in `dtype`, at least MIN_CPU_KV_CACHE. None
+    where VLLM_CPU_KVCACHE_SPACE sets the size, or where the config gives neither the attention's shape nor the
+    length asked for (vLLM then sizes the cache itself)."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    max_model_len = max_model_len or getattr(config, "max_position_embeddings", None)
     element = getattr(torch, dtype, None)
-    if not layers or not heads or not isinstance(element, torch.dtype):
+    if not layers or not heads or not max_model_len or not isinstance(element, torch.dtype):
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -167,7 +171,7 @@ class VLLMEngine(EngineContext):
         quiet_benign_reload_warning()
         cuda = torch.cuda.is_available()
         kv_cache_bytes = None
-        if not cuda and max_sequences and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        if not cuda and max_sequences:
             kv_cache_bytes = cpu_kv_cache_bytes(model_path, max_model_len=max_model_len, sequences=max_sequences,
                                                 dtype=dtype)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads

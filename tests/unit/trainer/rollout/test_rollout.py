@@ -287,12 +287,14 @@ def test_vllm_request_seeds_never_repeat_across_steps_prompts_and_samples():
     assert request_seed(SamplingConfig(max_new_tokens=4, seed=1), 3, per_request_seeds=False) is None  # CPU
 
 
-def test_the_cpu_kv_cache_holds_the_largest_call_at_full_length(tmp_path):
+def test_the_cpu_kv_cache_holds_the_largest_call_at_full_length(tmp_path, monkeypatch):
     """Keys and values of every layer's KV heads, for each sequence in whole 32-token blocks; at least the floor;
-    None where the config does not give the attention's shape."""
+    None where the config does not give the attention's shape, and where VLLM_CPU_KVCACHE_SPACE sets the size."""
     from transformers import LlamaConfig
 
     from trainer.rollout.vllm_engine import MIN_CPU_KV_CACHE, cpu_kv_cache_bytes
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
 
     def saved(name: str, **fields) -> str:
         LlamaConfig(**fields).save_pretrained(tmp_path / name)
@@ -306,6 +308,8 @@ def test_the_cpu_kv_cache_holds_the_largest_call_at_full_length(tmp_path):
     wide = saved("head_dim", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, head_dim=128)
     assert cpu_kv_cache_bytes(wide, max_model_len=4096, sequences=256, dtype="bfloat16") == 256 * 4096 * 2 * 2 * 4 * 128 * 2
     assert cpu_kv_cache_bytes(smollm2, max_model_len=600, sequences=64, dtype="auto") is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert cpu_kv_cache_bytes(smollm2, max_model_len=600, sequences=64, dtype="bfloat16") is None
 
 
 def test_the_rollout_server_sizes_its_cpu_kv_cache_to_max_num_seqs(tmp_path, monkeypatch):
