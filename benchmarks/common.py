@@ -188,11 +188,17 @@ def bench_env(threads: int = 2, **extra: str) -> dict[str, str]:
     return env
 
 
-def child_env(threads: int, vllm: bool = False, **extra: str) -> dict[str, str]:
+def child_env(threads: int, vllm: bool = False, alignflow: bool = False, **extra: str) -> dict[str, str]:
     """`bench_env` for a training child: this checkout first on PYTHONPATH (then the caller's, e.g. a TRL
-    installed with `pip install --target`), no MLflow server."""
+    installed with `pip install --target`), no MLflow server. `alignflow`: an alignflow run, which also gets the
+    spin count that alignflow's entry points set before torch loads (`trainer.engine.openmp`; the in-process
+    arms import torch themselves), unless this process's environment sets one (then every child gets that)."""
+    from trainer.engine.openmp import OPENMP_DEFAULTS
+
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = bench_env(threads, PYTHONPATH=path, **extra)
+    if alignflow:
+        env.setdefault("GOMP_SPINCOUNT", OPENMP_DEFAULTS["GOMP_SPINCOUNT"])
     if vllm:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; unset, vLLM-CPU reserves a large share of RAM
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -256,7 +262,8 @@ def run_one(script: str, spec: dict, work: Path, threads: int, timeout: float, v
     `env_overrides` change the child's environment last (an empty value removes the variable)."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     spec = {**spec, "out_dir": str(run_dir / "out")}
-    env = child_env(threads, vllm, HF_DATASETS_CACHE=str(run_dir / "datasets-cache"))
+    env = child_env(threads, vllm, spec["trainer"].startswith("alignflow"),
+                    HF_DATASETS_CACHE=str(run_dir / "datasets-cache"))
     for key, value in (env_overrides or {}).items():
         if value:
             env[key] = value

@@ -18,6 +18,7 @@ from typing import Any
 from components import report
 from components.settings import RUN_ID_ENV
 from trainer.engine import shutdown
+from trainer.engine.openmp import set_openmp_defaults
 from trainer.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
 from trainer.io import storage
 
@@ -26,12 +27,12 @@ from trainer.io import storage
 
 log = logging.getLogger(__name__)
 shutdown.collect_then_freeze_at_exit()  # every task imports this module: each ends ~1.4 s sooner after its work
+set_openmp_defaults()  # ... before any of them loads torch (trainer.engine.openmp)
 SKIPPED = "alignflow.skipped"
 PIPELINE_RUN_TAG = "alignflow.pipeline_run"  # the run's display name (not unique)
 PIPELINE_RUN_ID_TAG = "alignflow.pipeline_run_id"  # the run's id: how every task finds the parent run
 
 def _setup() -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

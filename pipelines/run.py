@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.engine.openmp import set_openmp_defaults
 from trainer.errors import ConfigError
 from trainer.io import storage
 
@@ -224,7 +225,7 @@ def run_local(config: PipelineConfig, output: str, pipeline_root: str | None = N
         os.environ["MLFLOW_TRACKING_URI"] = containers.tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", ""),
                                                                     local_root)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_path / 'mlflow.db'}")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_defaults()  # the tasks inherit it (trainer.engine.openmp)
     validate(config, local=True)
     _check_single_node(config)
     if pipeline_root and storage.is_remote(pipeline_root):

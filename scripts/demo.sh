@@ -12,7 +12,7 @@ if [[ -z "${PYTHON:-}" ]]; then
     bash scripts/setup.sh
     PYTHON=.venv/bin/python
 fi
-export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 mkdir -p "$OUT"
 # A fresh MLflow store per demo folder (sqlite), unless the caller points at a server.
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$(cd "$OUT" && pwd)/mlflow.db}

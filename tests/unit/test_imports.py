@@ -40,16 +40,18 @@ def test_import(name):
 
 @pytest.mark.parametrize("module", ["trainer.cli.main", "pipelines.cli"])
 @pytest.mark.parametrize("given", [None, "ACTIVE"])
-def test_cli_sets_passive_openmp_before_torch_loads(module, given):
-    """The command line makes idle OpenMP threads sleep (a caller's value wins), and does so before
-    torch is imported: OpenMP reads the variable only once, when torch loads it."""
+def test_cli_sets_openmp_waits_before_torch_loads(module, given):
+    """The command line makes idle OpenMP threads spin briefly, then sleep (a caller's value wins, and then the
+    spin count is left alone), and does so before torch is imported: OpenMP reads the variables only once,
+    when torch loads it."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if given:
         env["OMP_WAIT_POLICY"] = given
-    code = f"import os, sys, {module}; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    code = (f"import os, sys, {module}; print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'), "
+            "'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == [given or "PASSIVE", "False"]
+    assert out.split() == ([given, "None", "False"] if given else ["PASSIVE", "1000", "False"])
