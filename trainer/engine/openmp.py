@@ -7,8 +7,8 @@ alignflow's default is a short spin, then sleep: `OMP_WAIT_POLICY=PASSIVE` with 
 - Sleeping at once (PASSIVE alone) costs a wake-up in every parallel region: a training step runs thousands of
   small ops back to back, and each one waits for the other threads to wake. 1000 spins (~10 µs; libgomp's own
   count for a team with more threads than cores) bridge the gap between two ops and still let an idle thread
-  sleep. SmolLM2 SFT in bf16 on 2 cores: 2.4-2.5 s a step against 2.7-3.1 s with PASSIVE alone; the demo's tiny
-  SFT stage 2-3 s against 6-7 s (benchmarks/NOTES.md, "fourteenth session").
+  sleep. SmolLM2 SFT in bf16 on 2 cores: a median 2.52 s a step against 2.76 s with PASSIVE alone; the demo's
+  SFT stage 5.5 s against 7.5 s (benchmarks/NOTES.md, "fourteenth session").
 
 Only how idle threads wait changes, never what is computed. A caller who sets either variable gets exactly what
 they set.
