@@ -8,4 +8,3 @@ set by the caller wins.
 from trainer.engine.openmp import set_openmp_defaults
 
 set_openmp_defaults()
-
