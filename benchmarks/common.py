@@ -262,7 +262,7 @@ def run_one(script: str, spec: dict, work: Path, threads: int, timeout: float, v
     `env_overrides` change the child's environment last (an empty value removes the variable)."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     spec = {**spec, "out_dir": str(run_dir / "out")}
-    env = child_env(threads, vllm, spec["trainer"].startswith("alignflow"),
+    env = child_env(threads, vllm, alignflow=spec["trainer"].startswith("alignflow"),
                     HF_DATASETS_CACHE=str(run_dir / "datasets-cache"))
     for key, value in (env_overrides or {}).items():
         if value:

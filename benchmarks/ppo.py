@@ -313,7 +313,7 @@ def run_one(spec: dict, work: Path, threads: int, timeout: float, trl_python: Pa
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     spec = {**spec, "out_dir": str(run_dir / "out")}
     python = str(trl_python) if spec["trainer"] == "trl-ppo" else sys.executable
-    env = common.child_env(threads, "vllm" in spec["trainer"], spec["trainer"].startswith("alignflow"),
+    env = common.child_env(threads, "vllm" in spec["trainer"], alignflow=spec["trainer"].startswith("alignflow"),
                            HF_DATASETS_CACHE=str(run_dir / "datasets-cache"))
     try:
         child = common.run_child([python, __file__, "--child", json.dumps(spec)], env=env, timeout=timeout)

