@@ -62,9 +62,9 @@ def resolve_stage(stage: str, section: dict[str, Any], knobs: dict[str, Any], *,
     value is checked as the stage will read it. Errors are ConfigErrors naming the field."""
     from components.trainjob import split_config
     from trainer.config.options import config_from_dict
-    from trainer.stages import stage_parts
+    from trainer.stages import stage_config
 
-    config_cls, _ = stage_parts(stage)
+    config_cls = stage_config(stage)
     weight, section = split_reward_model_weight(stage, section)
     # `nodes` and the other multi-node keys (components/trainjob.py) are the launcher's, not the stage's.
     multi, section = split_config(with_knobs(stage, section, knobs))
@@ -123,9 +123,9 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
 
     `pod_gpus`: the GPUs of a training task's pod (`cluster.train.gpus`), which a one-node section's
     `gpus_per_node` must match; None for a local run (no pods)."""
+    from trainer.config.eval_config import EvalConfig
     from trainer.config.options import config_from_dict
     from trainer.rewards.specs import check_reward_specs
-    from trainer.stages.evaluate import EvalConfig
 
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"`algorithm` must be one of {', '.join(ALGORITHMS)} (lower case), got {algorithm!r}.")
@@ -149,9 +149,9 @@ def check_parameters(algorithm: str, stage_configs: dict[str, dict[str, Any]], e
 
 
 def check_gate(gate_metric: str, gate_mode: str) -> None:
-    """The promotion gate knows which way `gate_metric` improves (`trainer.stages.promote.gate_direction`)."""
+    """The promotion gate knows which way `gate_metric` improves (`trainer.tracking.gate.gate_direction`)."""
     from trainer.errors import RegistryError
-    from trainer.stages.promote import gate_direction
+    from trainer.tracking.gate import gate_direction
 
     try:
         gate_direction(gate_metric, gate_mode)

@@ -126,7 +126,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
     from components import inputs, trainjob
     from trainer.engine import checkpoint as ckpt
     from trainer.engine import launch
-    from trainer.stages import stage_parts
+    from trainer.stages import stage_run
 
     _setup()
     run_values = {}
@@ -149,7 +149,7 @@ def train_stage(stage: str, config: dict[str, Any], *, model_in: str, dataset: s
         elif launch.needs_launch(stage_config):
             run_ranks(stage, stage_config)
         else:
-            stage_parts(stage)[1](stage_config)
+            stage_run(stage)(stage_config)
     trainjob.download_complete(checkpoints, model_out.path)
     manifest = ckpt.read_json(storage.join(model_out.path, ckpt.MANIFEST))
     _log_metrics(metrics_out, manifest["metrics"])
@@ -162,11 +162,11 @@ def training_report(stage: str, model_dir: str) -> report.Report:
     """A training task's page, from its model folder: final metrics and run id (manifest), curves
     (metrics.jsonl) and the completions the stage logged last (manifest `samples`)."""
     from trainer.engine import checkpoint as ckpt
-    from trainer.stages import stage_parts
+    from trainer.stages import stage_config
 
     manifest = ckpt.read_json(storage.join(model_dir, ckpt.MANIFEST))
     run_id = manifest.get("mlflow_run_id") or ""
-    return report.Report(stage, (stage_parts(stage)[0].__doc__ or "").strip().splitlines()[0], manifest["metrics"],
+    return report.Report(stage, (stage_config(stage).__doc__ or "").strip().splitlines()[0], manifest["metrics"],
                          ckpt.read_history(model_dir), manifest.get("samples") or [], mlflow_run_id=run_id,
                          mlflow_url=mlflow_run_url(run_id))
 

@@ -55,3 +55,33 @@ def test_cli_sets_openmp_waits_before_torch_loads(module, given):
             "'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ([given, "None", "False"] if given else ["PASSIVE", "1000", "False"])
+
+
+# What each light command runs; none of them needs torch, datasets or a stage's module.
+LIGHT_COMMANDS = {
+    "check-inputs": (  # the pipeline's first task: every stage section, evaluation and the gate, checked
+        "from components import inputs\n"
+        "inputs.check_parameters('grpo', {'sft': {'packing': True}, 'reward': {'truncation_mode': 'drop'}, "
+        "'dpo': {'loss_type': 'robust', 'label_smoothing': 0.1}, 'grpo': {'num_generations': 4, 'loss_type': 'bnpo', "
+        "'advantage_estimator': 'rloo', 'reward_funcs': ['exact_answer', 'answer_format']}, 'ppo': {'ppo_epochs': 2}}, "
+        "{'reward_funcs': ['exact_answer']}, {'max_steps': 3, 'learning_rate': 0.0, 'num_generations': 0}, 'm', "
+        "'accuracy', 'auto')"),
+    "alignflow train grpo --help": (
+        "import contextlib, io\nfrom trainer.cli.main import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as help:\n"
+        "    main(['train', 'grpo', '--help'])\n"
+        "assert '--advantage_estimator' in help.getvalue(), help.getvalue()"),
+}
+
+
+@pytest.mark.parametrize("command", LIGHT_COMMANDS)
+def test_light_commands_start_without_torch(command):
+    """Checking a pipeline's parameters (its first task, seconds before any training) and a stage's `--help`
+    read the stage configs (trainer/config/), not the stages: no torch, datasets or stage module loads."""
+    import subprocess
+    import sys
+
+    heavy = ["torch", "datasets", "trainer.stages.sft", "trainer.stages.rl.grpo", "trainer.stages.promote"]
+    code = f"{LIGHT_COMMANDS[command]}\nimport sys\nprint([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[-2] == "[]", out

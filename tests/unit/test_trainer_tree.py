@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # Bottom to top: a sub-package (or top-level module) of trainer/ may import only those before it.
-LAYERS = ["errors", "extras", "io", "tracking", "config", "data", "algorithms", "engine", "rewards", "rollout",
+LAYERS = ["errors", "extras", "io", "tracking", "algorithms", "config", "data", "engine", "rewards", "rollout",
           "stages", "cli"]
 # What trainer/algorithms/ may import: the maths is torch and the standard library only.
 ALGORITHMS_MAY_IMPORT = {"torch", "__future__"} | set(sys.stdlib_module_names)

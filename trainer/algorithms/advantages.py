@@ -11,14 +11,12 @@ Shape letters used in the comments:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from trainer.algorithms.choices import ScaleRewards
 from trainer.algorithms.masked import STD_EPS, Stats, nanstd
-
-ScaleRewards = Literal["group", "batch", "none"]
 
 
 def combine_rewards(rewards_per_func: Tensor, weights: Tensor) -> Tensor:
@@ -137,11 +135,10 @@ def _rloo(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards) ->
 
 
 # advantage_estimator -> fn(rewards [B*G], G, scale_rewards) -> (advantages [B*G], stats); its keys are the
-# choices of GRPO's `advantage_estimator`.
+# choices of GRPO's `advantage_estimator` (`choices.AdvantageEstimator`).
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int, ScaleRewards], tuple[Tensor, Stats]]] = {
     "grpo": group_advantages, "rloo": _rloo,
 }
-AdvantageEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 
 
 @torch.no_grad()

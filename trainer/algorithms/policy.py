@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from trainer.algorithms.choices import GRPOLossType, ISMode
 from trainer.algorithms.masked import Stats, masked_mean, masked_var
-
-ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -101,11 +99,10 @@ def _cycle_tokens(loss: Tensor, mask: Tensor, max_completion_length: int | None,
 
 
 # loss_type -> how per-token losses [N, T] become one scalar (`aggregate_token_loss`); its keys are the choices
-# of GRPO's `loss_type`.
+# of GRPO's `loss_type` (`choices.GRPOLossType`).
 TOKEN_LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
     "grpo": _per_sequence, "bnpo": _batch_tokens, "dr_grpo": _fixed_length, "dapo": _cycle_tokens,
 }
-GRPOLossType = Literal[tuple(TOKEN_LOSS_AGGREGATIONS)]
 
 
 def aggregate_token_loss(

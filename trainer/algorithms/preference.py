@@ -4,13 +4,12 @@ Bradley-Terry loss. Inputs are summed log-probs of each completion's tokens, sha
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer.algorithms.choices import DPO_LOSS_TRAITS, DPOLossType, dpo_option_problem
 from trainer.algorithms.masked import Stats
 
 
@@ -72,47 +71,19 @@ def simpo(
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
-@dataclass(frozen=True)
-class PreferenceLoss:
-    """One DPO `loss_type`: its per-pair loss [B] on the chosen and rejected terms [B], and what it reads.
-
-    The terms are each completion's log-ratio log πθ − log πref or, for a reference-free loss, the policy's
-    mean token log-prob; the implicit rewards are β times the terms (TRL's `DPOTrainer` and `CPOTrainer`)."""
-
-    per_pair: Callable[..., Tensor]  # (chosen, rejected, beta=, label_smoothing=, simpo_gamma=, *_lengths=) -> [B]
-    reference_free: bool = False
-    label_smoothing: bool = False  # reads ε
-    lengths: bool = False  # needs the completions' token counts
-
-
-# loss_type -> its loss; the keys are `DPOConfig.loss_type`'s choices.
-DPO_LOSSES: dict[str, PreferenceLoss] = {
-    "sigmoid": PreferenceLoss(lambda c, r, beta, **_: dpo_sigmoid(c, r, beta)),
-    "ipo": PreferenceLoss(lambda c, r, beta, chosen_lengths, rejected_lengths, **_:
-                          dpo_ipo(c, r, beta, chosen_lengths, rejected_lengths), lengths=True),
-    "hinge": PreferenceLoss(lambda c, r, beta, **_: dpo_hinge(c, r, beta)),
-    "robust": PreferenceLoss(lambda c, r, beta, label_smoothing, **_: dpo_robust(c, r, beta, label_smoothing),
-                             label_smoothing=True),
-    "apo_zero": PreferenceLoss(lambda c, r, beta, **_: dpo_apo_zero(c, r, beta)),
-    "simpo": PreferenceLoss(lambda c, r, beta, label_smoothing, simpo_gamma, **_:
-                            simpo(c, r, beta, simpo_gamma, label_smoothing),
-                            reference_free=True, label_smoothing=True, lengths=True),
+# loss_type -> its per-pair loss [B] on the chosen and rejected terms [B]: each completion's log-ratio
+# log πθ − log πref or, for a reference-free loss, the policy's mean token log-prob (the implicit rewards are β
+# times the terms, as TRL's `DPOTrainer` and `CPOTrainer`). `DPO_LOSS_TRAITS` (choices.py) says what each reads;
+# the keys are `DPOConfig.loss_type`'s choices.
+DPO_LOSSES: dict[str, Callable[..., Tensor]] = {
+    "sigmoid": lambda c, r, beta, **_: dpo_sigmoid(c, r, beta),
+    "ipo": lambda c, r, beta, chosen_lengths, rejected_lengths, **_: dpo_ipo(c, r, beta, chosen_lengths,
+                                                                             rejected_lengths),
+    "hinge": lambda c, r, beta, **_: dpo_hinge(c, r, beta),
+    "robust": lambda c, r, beta, label_smoothing, **_: dpo_robust(c, r, beta, label_smoothing),
+    "apo_zero": lambda c, r, beta, **_: dpo_apo_zero(c, r, beta),
+    "simpo": lambda c, r, beta, label_smoothing, simpo_gamma, **_: simpo(c, r, beta, simpo_gamma, label_smoothing),
 }
-DPOLossType = Literal[tuple(DPO_LOSSES)]
-
-
-def dpo_option_problem(loss_type: str, label_smoothing: float) -> str | None:
-    """What is wrong with a DPO loss's options, in a sentence, or None. The DPO config checks its options with it
-    before any work, and `dpo_loss` its arguments."""
-    if loss_type not in DPO_LOSSES:
-        return f"Unknown DPO loss_type '{loss_type}'; expected one of {', '.join(DPO_LOSSES)}."
-    if label_smoothing and not DPO_LOSSES[loss_type].label_smoothing:
-        users = " and ".join(name for name, loss in DPO_LOSSES.items() if loss.label_smoothing)
-        return (f"`label_smoothing` is only used by loss_type {users}; set it to 0 for loss_type {loss_type} "
-                f"(got {label_smoothing}).")
-    if not 0.0 <= label_smoothing < 0.5:
-        return f"`label_smoothing` must be in [0, 0.5), got {label_smoothing}."
-    return None
 
 
 def dpo_loss(
@@ -144,7 +115,7 @@ def dpo_loss(
     problem = dpo_option_problem(loss_type, label_smoothing)
     if problem:
         raise ValueError(problem)
-    kind = DPO_LOSSES[loss_type]
+    kind = DPO_LOSS_TRAITS[loss_type]
     if kind.lengths and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(
             f"loss_type '{loss_type}' normalises by completion length: pass chosen_lengths and rejected_lengths "
@@ -158,7 +129,7 @@ def dpo_loss(
     else:  # the log-ratios
         chosen = policy_chosen_logps - ref_chosen_logps  # [B]
         rejected = policy_rejected_logps - ref_rejected_logps  # [B]
-    losses = kind.per_pair(chosen, rejected, beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+    losses = DPO_LOSSES[loss_type](chosen, rejected, beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
                            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
     chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
 

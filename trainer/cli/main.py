@@ -129,22 +129,24 @@ def _train(stage: str, argv: list[str]) -> int:
     """Parse the stage's config, check its reward functions, start its ranks when asked, or run it here."""
     from trainer import extras
     from trainer.config.options import parse_config
-    from trainer.engine import launch
-    from trainer.engine.checkpoint import RunFinished
     from trainer.rewards.specs import check_reward_specs
-    from trainer.stages import stage_parts
+    from trainer.stages import stage_config
 
-    config_cls, run = stage_parts(stage)
-    config = parse_config(config_cls, argv, prog=f"alignflow train {stage}")
+    # The config (and `--help`) without torch; the stage's module loads once the config is known good.
+    config = parse_config(stage_config(stage), argv, prog=f"alignflow train {stage}")
     check_reward_specs(getattr(config, "reward_funcs", []))  # before any data or model loads
     extras.check_config(config)  # a missing extra (tracking URI without mlflow, ...) too
+    from trainer.engine import launch
+    from trainer.engine.checkpoint import RunFinished
+    from trainer.stages import stage_run
+
     if launch.needs_launch(config):
         from trainer.data.sources import check_local_paths
 
         check_local_paths(config)  # here, not in each rank after its start-up
         return launch.launch(stage, argv, config)
     try:
-        out = run(config)
+        out = stage_run(stage)(config)
     except RunFinished as done:  # `auto` on a finished run: say so, train nothing, succeed
         print(f"alignflow train {stage}: {done}")
         return 0
@@ -231,7 +233,7 @@ def _promote(argv: list[str]) -> int:
     import dataclasses
     import json
 
-    from trainer.stages import promote as registry
+    from trainer.tracking.gate import GATE_MODES
 
     parser = FlagParser(
         prog="alignflow promote", allow_abbrev=False,
@@ -249,7 +251,7 @@ def _promote(argv: list[str]) -> int:
                         "champion on (default: reward).")
     parser.add_argument("--min-improvement", type=float, default=0.0,
                         help="Margin the candidate must beat the champion by (default 0: strictly better).")
-    parser.add_argument("--gate-mode", choices=registry.GATE_MODES, default="auto",
+    parser.add_argument("--gate-mode", choices=GATE_MODES, default="auto",
                         help="Which way the gate metric improves: auto (known for alignflow's metrics: loss and kl "
                              "lower, reward, accuracy, win_rate higher; any other metric is refused), max or min.")
     parser.add_argument("--lower-is-better", action="store_true", help="Same as --gate-mode min.")
@@ -258,6 +260,8 @@ def _promote(argv: list[str]) -> int:
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI).")
     parser.add_argument("--rollback", metavar="NAME", help="Swap @champion and @previous-champion of model NAME.")
     args = parser.parse_args(argv)
+    from trainer.stages import promote as registry
+
     if args.rollback:
         result = registry.rollback(args.rollback, args.tracking_uri)
     else:

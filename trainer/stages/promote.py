@@ -53,6 +53,7 @@ from trainer.engine.models import resolve_model_path
 from trainer.errors import RegistryError
 from trainer.extras import require
 from trainer.stages.mlflow_model import checkpoint_folder, log_checkpoint_model
+from trainer.tracking.gate import gate_direction
 from trainer.tracking.provenance import redact_uri
 from trainer.tracking.tracker import (
     cap_mlflow_http_retries,
@@ -69,35 +70,6 @@ CHECKPOINT_ARTIFACT = "checkpoint"  # artifact folder of the run holding the che
 METRIC_TAG = "alignflow.metric."  # version tag prefix: one tag per metric
 PROMOTED_TAG = "alignflow.promotion.promoted"  # "true" only once @champion points at the version
 _SKIPPED_DIRS = (ckpt.STATE_DIR,)  # optimizer states are not part of a served model
-
-
-# Metrics alignflow logs whose better direction is known (fnmatch patterns): evaluation (trainer/stages/evaluate.py)
-# and the stages' own (docs/trl.md names). A name in neither list needs `gate_mode: max|min`.
-LOWER_IS_BETTER = ("loss", "eval_loss", "*/loss", "kl", "eval_kl", "objective/kl", "ppo/loss/*")
-HIGHER_IS_BETTER = ("reward", "eval_reward", "rewards/*/mean", "eval_rewards/*/mean", "accuracy", "eval_accuracy",
-                    "mean_token_accuracy", "eval_mean_token_accuracy", "win_rate", "rm_score", "rewards/accuracies",
-                    "rewards/margins", "eval_rewards/accuracies", "eval_rewards/margins", "margin", "eval_margin",
-                    "objective/scores", "objective/rlhf_reward")
-GATE_MODES = ("auto", "max", "min")
-
-
-def gate_direction(metric: str, mode: str = "auto") -> bool:
-    """Whether a higher `metric` is better: `max` / `min` say so; `auto` knows the metrics alignflow logs
-    (LOWER_IS_BETTER, HIGHER_IS_BETTER) and raises `RegistryError` for any other."""
-    import fnmatch
-
-    if mode not in GATE_MODES:
-        raise RegistryError(f"`gate_mode` is {mode!r}: use auto (the known direction of alignflow's metrics), max "
-                            "(higher is better) or min (lower is better).")
-    if mode != "auto":
-        return mode == "max"
-    if any(fnmatch.fnmatchcase(metric, p) for p in HIGHER_IS_BETTER):
-        return True
-    if any(fnmatch.fnmatchcase(metric, p) for p in LOWER_IS_BETTER):
-        return False
-    raise RegistryError(f"`gate_metric` {metric!r} has no known direction (alignflow knows loss and kl: lower is "
-                        "better; reward, rewards/<name>/mean, accuracy, win_rate, rm_score: higher): set `gate_mode` "
-                        "to max (higher is better) or min (lower is better).")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ for BERT-style encoders (one row only: without the bounds their attention would 
 rewards as padded rows up to float rounding, less compute when lengths vary. A check before training
 scores a few pairs both ways, and a model whose packed rewards differ trains padded, with a warning.
 
-Read top to bottom: config, batches, the stage (pairs are tokenized by `trainer.data.preferences`).
+Read top to bottom: batches, the stage (pairs are tokenized by `trainer.data.preferences`). The options
+are `RewardConfig` in `trainer/config/reward_config.py`.
 """
 
 from __future__ import annotations
@@ -41,12 +42,11 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from trainer.algorithms.preference import bradley_terry_loss
-from trainer.config.options import TrainConfig, option
+from trainer.config.reward_config import RewardConfig
 from trainer.data.formatting import ROW_MULTIPLE, lay_out_rows
 from trainer.data.preferences import TokenizedPairs, tokenize_reward_pairs
 from trainer.data.sources import describe_datasets, load_train_eval
@@ -63,36 +63,6 @@ from trainer.engine.runner import StageRunner, score_both_layouts, to_device
 from trainer.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RewardConfig(TrainConfig):
-    """Reward-model training on preference pairs (Bradley–Terry)."""
-
-    learning_rate: float = option(1e-4, "Peak learning rate (AdamW); TRL's RewardConfig default.")
-    truncation_mode: Literal["keep_start", "keep_end", "drop"] = option(
-        "keep_end", "Texts (prompt + reply) longer than `max_length`: `keep_end` cuts their start, so both replies "
-                    "and the latest prompt turns stay; `keep_start` cuts their end (and may cut away the replies' "
-                    "difference: such pairs are dropped); `drop` drops the pair, as TRL does. Counts are logged.")
-    center_rewards_coefficient: float | None = option(
-        None, "Weight c of the reward-centring term c·mean((r_chosen + r_rejected)²), which keeps rewards near 0 "
-              "(Eisenstein et al. 2023, arXiv:2312.09244; TRL suggests 0.01). Unset = off.")
-    disable_dropout: bool = option(True, "Set every dropout probability to 0, as TRL does for reward models (BERT-style "
-                                         "encoders ship with 0.1, so chosen and rejected would see different masks).")
-    padding_free: bool = option(True, "Pack each micro-batch's chosen and rejected texts into one row (on the CPU; "
-                                      "elsewhere rows of at most `max_length` tokens, causal LMs only), position ids "
-                                      "restarting per text, instead of padding each to the longest (TRL's name, off "
-                                      "by default there; no attention across texts). The same rewards with less "
-                                      "compute when lengths vary; off by itself, with a warning, for a model that "
-                                      "scores packed texts differently.")
-
-    stage = "reward"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ConfigError(f"`center_rewards_coefficient` must be >= 0 (or unset), got "
-                              f"{self.center_rewards_coefficient}.")
 
 
 # ----------------------------------------------------------------------------------------------

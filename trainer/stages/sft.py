@@ -14,7 +14,7 @@ on the CPU into one row whose examples' attention runs apart (`trainer.engine.at
 the linears skip the padding (SmolLM2, bf16, 4 GSM8K examples a step: -7 to -9% a step). It is checked first
 (`padding_free_is_exact`), and turned off for a model whose attention would mix the examples.
 
-Read top to bottom: config, data, model, loop, save.
+Read top to bottom: data, model, loop, save. The options are `SFTConfig` in `trainer/config/sft_config.py`.
 """
 
 from __future__ import annotations
@@ -26,43 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algorithms.logprobs import TargetLM, log_probs_and_stats, target_logits
-from trainer.config.options import TrainConfig, option
+from trainer.config.sft_config import SFTConfig
 from trainer.data.formatting import TokenizedSFT, pack_best_fit, tokenize_sft
 from trainer.data.sources import describe_datasets, load_train_eval
 from trainer.engine.attention import packed_row_kwargs
 from trainer.engine.loop import total_steps
 from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
 from trainer.engine.runner import StageRunner, layout_check, layouts_agree, to_device
-from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SFTConfig(TrainConfig):
-    """Supervised fine-tuning on text, prompt/completion or chat data."""
-
-    learning_rate: float = option(2e-5, "Peak learning rate (AdamW).")
-    completion_only_loss: bool = option(True, "For prompt/completion data: train on completion tokens only.")
-    assistant_only_loss: bool = option(True, "For chat `messages`: train on assistant turns only.")
-    packing: bool = option(False, "Pack several short examples into each row of `max_length` tokens "
-                              "(no attention across examples).")
-    padding_free: bool = option(True, "Pack each micro-batch's examples into one row (on the CPU; elsewhere rows "
-                                      "of at most `max_length` tokens), position ids restarting per example, "
-                                      "instead of padding each example to the longest (TRL's name, off by default "
-                                      "there; no attention across examples). The same loss with less compute when "
-                                      "lengths vary; off by itself, with a warning, for a model whose attention "
-                                      "mixes packed examples. `packing` packs across the dataset.")
-    num_sample_completions: int = option(4, "Greedy sample completions of held-out prompts logged at the end "
-                                        "(0 = none).")
-    sample_max_new_tokens: int = option(48, "Length of those sample completions.")
-
-    stage = "sft"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.packing and self.per_device_batch_size > 1 and self.max_length < 16:
-            raise ConfigError("`packing` needs `max_length` >= 16 to fit examples into rows.")
 
 
 # ----------------------------------------------------------------------------------------------

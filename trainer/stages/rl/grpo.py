@@ -41,14 +41,12 @@ import torch
 
 from trainer.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
-    AdvantageEstimator,
-    ScaleRewards,
     combine_rewards,
 )
 from trainer.algorithms.logprobs import TargetLM, logit_temperature
 from trainer.algorithms.masked import nanstd
-from trainer.algorithms.policy import GRPOLossType, ISMode, policy_loss, rollout_is_weights
-from trainer.config.options import option
+from trainer.algorithms.policy import policy_loss, rollout_is_weights
+from trainer.config.rl_config import GRPOConfig
 from trainer.data.sources import describe_datasets
 from trainer.engine import distributed
 from trainer.engine.attention import use_alignflow_attention
@@ -62,12 +60,10 @@ from trainer.engine.completions import (
 from trainer.engine.loop import MetricWindow, keep_freed_memory
 from trainer.engine.models import apply_lora, count_parameters, load_causal_lm, model_and_tokenizer
 from trainer.engine.runner import StageRunner
-from trainer.errors import ConfigError
 from trainer.rollout import SamplingConfig
 from trainer.stages.rl.shared import (
     PromptSet,
     RewardSet,
-    RolloutConfig,
     evaluate,
     load_rl_inputs,
     push_weights,
@@ -75,80 +71,6 @@ from trainer.stages.rl.shared import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GRPOConfig(RolloutConfig):
-    """Group relative policy optimisation with rule, Python or reward-model rewards."""
-
-    learning_rate: float = option(1e-6, "Peak learning rate (AdamW); TRL's GRPO default.")
-    per_device_batch_size: int = option(8, "Completions per forward/backward pass (as TRL counts it).",
-                                        aliases=("per_device_train_batch_size",))
-    max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts).")
-    logging_steps: int = option(1, "Log metrics every this many steps.")
-    num_generations: int = option(8, "Completions per prompt (G); advantages are normalised within each group.")
-    beta: float = option(0.0, "KL coefficient against the reference model (k3 estimator; 0 = no reference "
-                              "model, TRL's default). https://arxiv.org/abs/2402.03300")
-    use_bias_correction_kl: bool = option(True, "With beta > 0: multiply each token's KL by the importance ratio "
-                                                "(trainer over old policy), which makes the KL gradient the unbiased "
-                                                "reverse-KL gradient (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556; "
-                                                "TRL's default). false: the plain k3 KL of the GRPO paper.")
-    epsilon: float = option(0.2, "Lower clipping range of the importance ratio (and upper when epsilon_high is unset).")
-    epsilon_high: float | None = option(None, "Upper clipping range (DAPO's clip-higher, e.g. 0.28). "
-                                              "https://arxiv.org/abs/2503.14476")
-    num_iterations: int = option(1, "Optimizer steps per generation cycle (mu in the GRPO paper).")
-    loss_type: GRPOLossType = option(
-        "dapo", "Loss aggregation: grpo (mean per sequence, then batch), bnpo (tokens of the local batch), "
-                "dr_grpo (divide by batch x max_completion_length), dapo (tokens of the whole cycle; TRL's default).")
-    advantage_estimator: AdvantageEstimator = option(
-        "grpo", "grpo: (r − group mean) / std (`scale_rewards`); rloo: r minus the mean of the group's other "
-                "G − 1 rewards (REINFORCE leave-one-out, TRL's RLOOTrainer; `scale_rewards` unused). "
-                "https://arxiv.org/abs/2402.14740")
-    scale_rewards: ScaleRewards = option(
-        "group", "Divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO).")
-    mask_truncated_completions: bool = option(False, "Exclude completions that hit max_completion_length from the loss.")
-    importance_sampling_correction: bool = option(True, "Weight the loss by the truncated ratio of trainer to "
-                                                         "rollout-engine probabilities (engine log-probs kept).",
-                                                  aliases=("vllm_importance_sampling_correction",))
-    importance_sampling_mode: ISMode = option(
-        "token_truncate", "How that ratio weights the loss: per token, or per completion (its tokens' log-ratios "
-                          "summed); clamped into [importance_sampling_min, importance_sampling_cap] (*_truncate) or "
-                          "zero outside it (*_mask). TRL's default is sequence_mask.",
-        aliases=("vllm_importance_sampling_mode",))
-    importance_sampling_cap: float = option(3.0, "Upper bound of that importance ratio.",
-                                            aliases=("vllm_importance_sampling_cap",
-                                                     "vllm_importance_sampling_clip_max"))
-    importance_sampling_min: float | None = option(None, "Lower bound of that importance ratio (unset = none).",
-                                                   aliases=("vllm_importance_sampling_clip_min",))
-    share_prompt: bool = option(True, "Run each group's prompt through the model once per micro-batch instead of "
-                                      "once per completion (completions see it through a block attention mask; "
-                                      "same log-probs); sdpa then attends block by block. Needs sdpa or eager "
-                                      "attention; off for rows > 4096 tokens.")
-
-    stage = "grpo"
-
-    def validate(self) -> None:
-        super().validate()
-        total = self.per_device_batch_size * self.gradient_accumulation_steps
-        if self.num_generations < 2:
-            raise ConfigError(f"`num_generations` must be >= 2 to form groups, got {self.num_generations}.")
-        if total % self.num_generations:
-            raise ConfigError(f"per_device_batch_size x gradient_accumulation_steps = {total} must be divisible by "
-                              f"num_generations = {self.num_generations}; change one of them.")
-        if self.num_iterations < 1:
-            raise ConfigError(f"`num_iterations` must be >= 1, got {self.num_iterations}.")
-        low = self.importance_sampling_min
-        if low is not None and not 0 <= low < self.importance_sampling_cap:
-            raise ConfigError(f"`importance_sampling_min` must be in [0, importance_sampling_cap = "
-                              f"{self.importance_sampling_cap}), got {low}.")
-        if self.temperature == 0:
-            raise ConfigError("`temperature` 0 samples greedily: every completion of a prompt is the same, so every "
-                              "group advantage is 0 and GRPO learns nothing. Use a temperature > 0 (TRL's default "
-                              "is 1.0).")
-
-    @property
-    def prompts_per_cycle(self) -> int:  # a step's completions, in groups of G
-        return self.per_device_batch_size * self.gradient_accumulation_steps // self.num_generations
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,7 +43,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -63,7 +62,7 @@ from trainer.algorithms.logprobs import (
 )
 from trainer.algorithms.masked import masked_moments, masked_whiten
 from trainer.algorithms.policy import ppo_policy_loss, value_loss, value_stats
-from trainer.config.options import option
+from trainer.config.rl_config import PPOConfig
 from trainer.data.sources import describe_datasets
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import distributed
@@ -84,7 +83,6 @@ from trainer.rewards.scorer import RewardModelScorer, classifier_labels, label_i
 from trainer.stages.rl.shared import (
     PromptSet,
     RewardSet,
-    RolloutConfig,
     evaluate,
     load_rl_inputs,
     push_weights,
@@ -95,76 +93,6 @@ log = logging.getLogger(__name__)
 
 VALUE_HEAD = "value_head"  # saved as value_head.safetensors in every checkpoint
 CRITIC = "critic"  # critic=reward_model: saved as a model folder critic/ in every checkpoint
-
-
-@dataclass
-class PPOConfig(RolloutConfig):
-    """PPO with a value head, GAE and adaptive KL control (RLHF: Ziegler et al. 2019, Ouyang et al. 2022)."""
-
-    learning_rate: float = option(3e-6, "Peak learning rate (AdamW); TRL's PPO default.")
-    per_device_batch_size: int = option(8, "Rollouts per forward/backward pass (micro-batch).",
-                                        aliases=("per_device_train_batch_size",))
-    max_steps: int = option(100, "Optimizer steps to run (-1 = `num_epochs` passes over the prompts); "
-                                 "a PPO step takes ppo_epochs x batch_size / mini_batch_size of them.")
-    logging_steps: int = option(1, "Log metrics every this many steps.")
-    batch_size: int = option(16, "Rollouts (prompts, one completion each) per PPO step, on each rank.")
-    mini_batch_size: int = option(8, "Rollouts per optimizer step; a multiple of per_device_batch_size "
-                                     "(the quotient is the gradient accumulation).")
-    ppo_epochs: int = option(4, "Passes over each PPO step's rollouts (in shuffled mini-batches).",
-                             aliases=("num_ppo_epochs",))
-    gamma: float = option(1.0, "Discount factor of GAE. https://arxiv.org/abs/1506.02438")
-    lam: float = option(0.95, "Lambda of GAE (bias/variance trade-off of the advantages).")
-    cliprange: float = option(0.2, "Clip range of the policy ratio (epsilon of PPO). https://arxiv.org/abs/1707.06347")
-    cliprange_value: float = option(0.2, "Clip range of the value prediction around its rollout-time value.")
-    vf_coef: float = option(0.1, "Weight of the value loss in the total loss.")
-    whiten_rewards: bool = option(False, "Whiten the per-token rewards (keeping their mean) before GAE.")
-    init_kl_coef: float = option(0.05, "KL coefficient beta of the per-token KL penalty (TRL PPOv2's `kl_coef`); "
-                                       "the starting value when `adap_kl_ctrl`.", aliases=("kl_coef",))
-    adap_kl_ctrl: bool = option(False, "Adapt beta towards `target_kl` (proportional controller of Ziegler et al. "
-                                       "2019). https://arxiv.org/abs/1909.08593")
-    target_kl: float = option(6.0, "Target KL (summed over a completion's tokens) of the adaptive controller.")
-    horizon: int = option(10000, "Rollouts over which the adaptive controller corrects a KL error of 20 percent or more by e^0.2.")
-    missing_eos_penalty: float | None = option(None, "Subtract this from the score of completions that end without "
-                                                     "EOS (hit max_completion_length); TRL's `missing_eos_penalty`.")
-
-    critic: Literal["value_head", "reward_model"] = option(
-        "value_head", "The value function V_t. value_head: a zero-initialised scalar head on the policy's last hidden "
-                      "state (TRL's AutoModelForCausalLMWithValueHead; policy and values share the network). "
-                      "reward_model: a separate critic network initialised from a reward model, whose score head "
-                      "reads every token's hidden state (TRL PPOv2's value_model, OpenRLHF's critic_pretrain); it "
-                      "trains with the same optimizer and is saved as `critic/` next to the model.")
-    critic_model: str | None = option(None, "With critic=reward_model: the checkpoint (folder, s3:// or hub id) of "
-                                            "the critic's starting point; default: the one reward model in "
-                                            "`reward_funcs`. A causal-LM sequence classifier with the policy's "
-                                            "tokenizer.")
-
-    stage = "ppo"
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("batch_size", "mini_batch_size", "ppo_epochs", "horizon"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
-        if self.batch_size % self.mini_batch_size or self.mini_batch_size % self.per_device_batch_size:
-            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size "
-                              f"({self.mini_batch_size}), and that a multiple of per_device_batch_size "
-                              f"({self.per_device_batch_size}); change one of them.")
-        if self.gradient_accumulation_steps != 1:
-            raise ConfigError("PPO accumulates mini_batch_size / per_device_batch_size micro-batches per optimizer "
-                              "step; leave `gradient_accumulation_steps` at 1 and set `mini_batch_size` instead.")
-        if self.critic_model and self.critic != "reward_model":
-            raise ConfigError(f"`critic_model` ({self.critic_model!r}) is used with critic=reward_model only; set "
-                              "`critic: reward_model` or drop `critic_model`.")
-        if self.adap_kl_ctrl and self.target_kl <= 0:
-            raise ConfigError(f"`target_kl` must be > 0 with adap_kl_ctrl, got {self.target_kl}.")
-
-    @property
-    def prompts_per_cycle(self) -> int:  # one completion per prompt
-        return self.batch_size
-
-    @property
-    def updates_per_rollout(self) -> int:
-        return self.ppo_epochs * self.batch_size // self.mini_batch_size
 
 
 # ----------------------------------------------------------------------------------------------

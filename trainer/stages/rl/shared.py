@@ -1,8 +1,8 @@
-"""What the RL stages (GRPO, PPO) share: their rollout options, prompts and reward functions, the rollout
-engine with its weight pushes, and evaluation on held-out prompts.
+"""What the RL stages (GRPO, PPO) share: prompts and reward functions, the rollout engine with its weight
+pushes, and evaluation on held-out prompts.
 
 A stage brings its own loop and loss; `prompts_per_cycle` (on the config) is how many prompts each rank
-rolls out per generation cycle.
+rolls out per generation cycle. The shared options are `RolloutConfig` in `trainer/config/rl_config.py`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import datasets
 import numpy as np
 import torch
 
 from trainer.algorithms.advantages import combine_rewards
-from trainer.config.options import TrainConfig, option
+from trainer.config.rl_config import RolloutConfig
 from trainer.data.chat_templates import check_messages, is_conversational
 from trainer.data.sources import dataset_fingerprint, dataset_label, load_rows, test_split_rows, train_rows
 from trainer.data.token_cache import cached_map, tokenizer_fingerprint
@@ -35,102 +35,6 @@ from trainer.rollout import SamplingConfig, make_engine
 from trainer.rollout.server_client import on_each_node, server_url
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutConfig(TrainConfig):
-    """What GRPO and PPO share: prompts, reward functions, sampling, and the rollout engine (TRL's names)."""
-
-    reward_funcs: list[str] = option(["exact_answer"], "Reward functions: built-ins (exact_answer, accuracy_reward, "
-                                     "answer_format, regex:<pattern>, length:<N>, "
-                                     "soft_overlong_punishment:<max>:<cache>), import paths `pkg.module:fn` with "
-                                     "TRL's signature, or reward models: checkpoint folders, s3:// URIs or hub ids "
-                                     "(org/name, from the local HF cache or downloaded).")
-    reward_weights: list[float] = option([], "One weight per reward function (default: all 1.0).")
-    reward_label: str | None = option(None, "For reward models that are classifiers with several labels (e.g. a "
-                                            "sentiment model): the label whose score is the reward, a name from the "
-                                            "model's config.id2label (e.g. POSITIVE). One-label reward models ignore it.")
-    reward_label_score: Literal["logit", "probability"] = option(
-        "logit", "What `reward_label` scores: its logit, or its softmax probability over the model's labels.")
-    max_prompt_length: int = option(512, "Longest prompt in tokens (see `truncation_mode`).")
-    max_completion_length: int = option(256, "Most tokens generated per completion.",
-                                         aliases=("response_length",))
-    temperature: float = option(1.0, "Sampling temperature T. The trainer's log-probs, entropy and KL are those of "
-                                     "softmax(logits / T), the distribution completions are drawn from (as in TRL).")
-    top_p: float = option(1.0, "Nucleus sampling probability mass.")
-    top_k: int = option(-1, "Sample from the top k tokens only (-1 = off).")
-    rollout_engine: Literal["hf", "vllm", "vllm-server"] = option(
-        "hf", "hf: transformers generate; vllm: vLLM in this process; vllm-server: one `alignflow rollout-server` "
-              "for the whole job (a running one at vllm_server_host/port, or one the first rank starts).")
-    vllm_gpu_memory_utilization: float = option(0.3, "Share of GPU memory vLLM may take (vllm engines on GPU).")
-    vllm_server_devices: str | None = option(None, "CUDA_VISIBLE_DEVICES for the vllm-server the job starts itself "
-                                                   "(e.g. '1').")
-    vllm_server_host: str | None = option(None, "Host of a running `alignflow rollout-server` (TRL's name; port "
-                                                "vllm_server_port). Unset with the port: the job starts one server, "
-                                                "on its first rank.")
-    vllm_server_port: int | None = option(None, "Port of that server (8000 when only the host is given).")
-    vllm_server_base_url: str | None = option(None, "URL of that server, e.g. http://rollout:8000 (instead of host "
-                                                    "and port).")
-    vllm_server_timeout: float = option(240.0, "Seconds to wait for the rollout server to answer, and to form the "
-                                               "weight group with it (TRL's default).")
-    vllm_group_port: int = option(51216, "Port of the weight group on the rollout server's host (TRL's default): the "
-                                         "pushing rank joins a torch.distributed group with the server's workers "
-                                         "there and broadcasts the weights (gloo on CPU, NCCL on GPU), unless the "
-                                         "server shares this node's /dev/shm. 0: weights go over HTTP instead.")
-    vllm_enable_sleep_mode: bool = option(False, "rollout_engine vllm on a GPU: free vLLM's GPU memory (weights and KV "
-                                                 "cache) after each rollout, for the update; the weight push and the "
-                                                 "next rollout wake it (TRL's name). Slower steps, more room.")
-    truncation_mode: Literal["keep_end", "keep_start", "drop"] = option(
-        "keep_end", "Prompts longer than `max_prompt_length`: keep their end (left truncation, TRL's behaviour), "
-                    "keep their start, or drop them. The count is logged.")
-    log_completions_steps: int = option(10, "Log a table of sample prompts, completions and rewards every this many steps.")
-    num_completions_to_log: int = option(8, "Rows in that table.")
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("max_prompt_length", "max_completion_length"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
-        if self.temperature < 0:
-            raise ConfigError(f"`temperature` must be >= 0, got {self.temperature}.")
-        if not self.reward_funcs:
-            raise ConfigError("`reward_funcs` is empty; give at least one reward function or reward model.")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(f"`reward_weights` has {len(self.reward_weights)} entries for "
-                              f"{len(self.reward_funcs)} `reward_funcs`; give one weight per function.")
-        check_server_options(self)
-        if self.max_prompt_length + self.max_completion_length > self.max_length:
-            raise ConfigError(f"max_prompt_length + max_completion_length = "
-                              f"{self.max_prompt_length + self.max_completion_length} exceeds `max_length` "
-                              f"({self.max_length}), the longest sequence; raise max_length or shorten one of them.")
-
-    @property
-    def prompts_per_cycle(self) -> int:
-        """Prompts each rank rolls out per generation cycle (the stage says how its batch options give it)."""
-        raise NotImplementedError
-
-
-def check_server_options(config) -> None:
-    """The rollout-server options of GRPO and PPO: only with rollout_engine vllm-server, one address at a time."""
-    given = [f for f in ("vllm_server_host", "vllm_server_port", "vllm_server_base_url") if getattr(config, f)]
-    if given and config.rollout_engine != "vllm-server":
-        raise ConfigError(f"`{given[0]}` addresses a rollout server, but rollout_engine is {config.rollout_engine}: "
-                          "set rollout_engine vllm-server (TRL: use_vllm true, vllm_mode server) or remove it.")
-    if config.vllm_server_base_url and {"vllm_server_host", "vllm_server_port"} & set(given):
-        raise ConfigError("Set either `vllm_server_base_url` or `vllm_server_host`/`vllm_server_port`, not both.")
-    if config.vllm_server_port is not None and not 0 < config.vllm_server_port < 65536:
-        raise ConfigError(f"`vllm_server_port` must be in 1..65535, got {config.vllm_server_port}.")
-    if config.vllm_server_timeout <= 0:
-        raise ConfigError(f"`vllm_server_timeout` must be > 0 seconds, got {config.vllm_server_timeout}.")
-    if not 0 <= config.vllm_group_port < 65536:
-        raise ConfigError(f"`vllm_group_port` must be in 1..65535 (0: weights over HTTP), got {config.vllm_group_port}.")
-    if config.vllm_enable_sleep_mode and config.rollout_engine != "vllm":
-        raise ConfigError(f"`vllm_enable_sleep_mode` frees the memory of vLLM inside the training process, but "
-                          f"rollout_engine is {config.rollout_engine}: set rollout_engine vllm (TRL: vllm_mode "
-                          "colocate), or remove it (a rollout server keeps its own GPUs).")
-    if not 0 < config.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError("`vllm_gpu_memory_utilization` is the share of the rollout GPU's memory vLLM may take: "
-                          f"give a number in (0, 1], got {config.vllm_gpu_memory_utilization}.")
 
 
 class PromptTokens(Sequence):

@@ -20,6 +20,7 @@ from trainer.algorithms.advantages import (
     kl_penalty_rewards,
     rloo_advantages,
 )
+from trainer.algorithms.choices import DPO_LOSS_TRAITS
 from trainer.algorithms.masked import masked_mean, masked_moments, masked_whiten
 from trainer.algorithms.policy import (
     aggregate_token_loss,
@@ -178,7 +179,7 @@ def test_every_registered_dpo_loss_pulls_towards_the_chosen_reply(loss_type):
     """Each loss in the registry, called by name with the options it reads, falls as the policy's chosen
     log-prob rises and as its rejected one falls (pairs() sits inside every loss's active region: |βΔ| < 1)."""
     pc, pr, rc, rr = pairs(requires_grad=True)
-    kind = DPO_LOSSES[loss_type]
+    kind = DPO_LOSS_TRAITS[loss_type]
     loss, stats = dpo_loss(pc, pr, None if kind.reference_free else rc, None if kind.reference_free else rr,
                            loss_type=loss_type, beta=0.1, label_smoothing=0.1 if kind.label_smoothing else 0.0,
                            chosen_lengths=t(2.0, 3.0), rejected_lengths=t(3.0, 2.0))
@@ -193,6 +194,20 @@ def test_the_dpo_config_offers_exactly_the_registered_losses():
     from trainer.stages.dpo import DPOConfig
 
     assert typing.get_args(typing.get_type_hints(DPOConfig)["loss_type"]) == tuple(DPO_LOSSES)
+
+
+def test_the_torch_free_option_names_are_the_registries_keys():
+    """The configs take their choices from `trainer.algorithms.choices` (no torch); each list names exactly the
+    formulas of its registry, in order, so a new formula is offered by the config and a removed one is refused."""
+    import typing
+
+    from trainer.algorithms import choices
+    from trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from trainer.algorithms.policy import TOKEN_LOSS_AGGREGATIONS
+
+    assert typing.get_args(choices.DPOLossType) == tuple(choices.DPO_LOSS_TRAITS) == tuple(DPO_LOSSES)
+    assert typing.get_args(choices.AdvantageEstimator) == tuple(ADVANTAGE_ESTIMATORS)
+    assert typing.get_args(choices.GRPOLossType) == tuple(TOKEN_LOSS_AGGREGATIONS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,13 +15,13 @@ def test_the_train_command_offers_exactly_the_registered_stages():
 def test_every_registered_stage_resolves_to_its_config_and_run_function():
     for stage in STAGES:
         config_cls, run = stage_parts(stage)
-        assert config_cls.stage == stage and run.__name__ == STAGES[stage][2]
+        assert config_cls.stage == stage and run.__name__ == STAGES[stage][3]
 
 
 def test_a_process_that_runs_one_stage_imports_no_other_stage():
     """Each process of a run (the CLI, every rank, a pipeline task) pays for the imports of its own stage only;
     `trainer.stages.promote` (the promote task, rollback) loads no training stage."""
-    modules = {stage: module for stage, (module, _, _) in STAGES.items()}
+    modules = {stage: module for stage, (module, *_) in STAGES.items()}
     code = ("import sys\nfrom trainer.stages import promote, stage_parts\n"
             f"before = sorted(m for m in {sorted(modules.values())!r} if m in sys.modules)\n"
             "stage_parts('sft')\n"

@@ -20,12 +20,12 @@ from trainer.stages.promote import (
     champion_uri,
     download_champion,
     gate,
-    gate_direction,
     promote,
     register_checkpoint,
     rollback,
     run_metrics,
 )
+from trainer.tracking.gate import gate_direction
 
 
 @pytest.fixture(scope="module")
