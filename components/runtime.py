@@ -205,9 +205,10 @@ def evaluate_stage(config: dict[str, Any], *, model_in: str, reference_in: str, 
                    model_name: str, gate_metric: str, min_improvement: float, metrics_out, report_out,
                    results_out, gate_mode: str = "auto") -> bool:
     """Evaluate the trained policy, compare it with the registry's champion; returns whether the gate passes."""
+    from trainer.config.eval_config import EvalConfig
     from trainer.config.options import config_from_dict
     from trainer.stages import promote as registry
-    from trainer.stages.evaluate import EvalConfig, run_evaluate
+    from trainer.stages.evaluate import run_evaluate
 
     _setup()
     values = {**config, "model": model_in, "dataset": dataset, "reference_model": reference_in,

@@ -66,11 +66,12 @@ LIGHT_COMMANDS = {
         "'advantage_estimator': 'rloo', 'reward_funcs': ['exact_answer', 'answer_format']}, 'ppo': {'ppo_epochs': 2}}, "
         "{'reward_funcs': ['exact_answer']}, {'max_steps': 3, 'learning_rate': 0.0, 'num_generations': 0}, 'm', "
         "'accuracy', 'auto')"),
-    "alignflow train grpo --help": (
+    **{f"alignflow {' '.join(argv)} --help": (
         "import contextlib, io\nfrom trainer.cli.main import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as help:\n"
-        "    main(['train', 'grpo', '--help'])\n"
-        "assert '--advantage_estimator' in help.getvalue(), help.getvalue()"),
+        f"    main({[*argv, '--help']!r})\n"
+        f"assert {flag!r} in help.getvalue(), help.getvalue()")
+       for argv, flag in [(["train", "grpo"], "--advantage_estimator"), (["eval"], "--baseline_model")]},
 }
 
 

@@ -196,13 +196,15 @@ def _eval(argv: list[str]) -> int:
     import json
 
     from trainer import extras
+    from trainer.config.eval_config import EvalConfig
     from trainer.config.options import parse_config
     from trainer.rewards.specs import check_reward_specs
-    from trainer.stages.evaluate import EvalConfig, run_evaluate
 
     config = parse_config(EvalConfig, argv, prog="alignflow eval")
     check_reward_specs(config.reward_funcs)
     extras.check_config(config)
+    from trainer.stages.evaluate import run_evaluate
+
     metrics = run_evaluate(config)
     print(json.dumps(metrics, indent=2, sort_keys=True))
     print(f"Wrote {config.output_dir}/metrics.json and samples.jsonl")
