@@ -87,24 +87,23 @@ def main() -> None:
             subprocess.run(["git", "-C", str(common.REPO), "worktree", "remove", "--force", str(tmp)], check=False)
             shutil.rmtree(tmp, ignore_errors=True)
 
-    medians = common.median_rows(runs, ("command", "side"))
+    medians = {(m["command"], m["side"]): m for m in common.median_rows(runs, ("command", "side"))}
+    walls: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        walls.setdefault((r["command"], r["side"]), []).append(r["wall_s"])
     loaded = {(r["command"], r["side"]): r["loaded"] for r in runs}
-    walls = {(r["command"], r["side"]): sorted(x["wall_s"] for x in runs
-                                               if (x["command"], x["side"]) == (r["command"], r["side"]))
-             for r in runs}
     common.print_header("Start-up of the light commands", f"{args.repeats} fresh processes each",
                         started, load_before)
-    rows = [[m["command"], m["side"], m["n"], m["wall_s"], walls[m["command"], m["side"]][0],
-             walls[m["command"], m["side"]][-1], loaded[m["command"], m["side"]]] for m in medians]
+    rows = [[*key, m["n"], m["wall_s"], min(walls[key]), max(walls[key]), loaded[key]] for key, m in medians.items()]
     print(common.format_table(["command", "tree", "n", "median s", "min s", "max s", "loaded"], rows))
     if args.baseline:
         print()
+        ours_side, base_side = trees
         for command in sources:
-            ours, base = (next((m for m in medians if (m["command"], m["side"]) == (command, side)), None)
-                          for side in trees)
-            print(f"{command}: {common.fmt(common.ratio(ours, base, 'wall_s'))} of the baseline's median")
+            share = common.ratio(medians.get((command, ours_side)), medians.get((command, base_side)), "wall_s")
+            print(f"{command}: {common.fmt(share)} of the baseline's median")
     if args.json:
-        common.write_json(args.json, "startup", args, runs, medians)
+        common.write_json(args.json, "startup", args, runs, list(medians.values()))
 
 
 if __name__ == "__main__":

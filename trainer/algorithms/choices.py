@@ -37,7 +37,7 @@ DPO_LOSS_TRAITS: dict[str, DPOLossTraits] = {
     "apo_zero": DPOLossTraits(),
     "simpo": DPOLossTraits(reference_free=True, label_smoothing=True, lengths=True),
 }
-DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "apo_zero", "simpo"]
+DPOLossType = Literal[tuple(DPO_LOSS_TRAITS)]
 
 
 def dpo_option_problem(loss_type: str, label_smoothing: float) -> str | None:
