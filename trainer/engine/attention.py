@@ -302,6 +302,22 @@ def per_sequence_attention(module, query: torch.Tensor, key: torch.Tensor, value
     return out.reshape(S * T, *out.shape[2:]).index_select(0, back)[None]
 
 
+def attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at: torch.Tensor,
+                 bounds: torch.Tensor, dropout: float, scaling: float) -> torch.Tensor:
+    """Bidirectional attention of the queries at row positions `at` [S] over the keys of their own sequence in one
+    packed row (`bounds` [S' + 1], its sequences' cumulative lengths): query [1, H, S, D], key/value [1, H, N, D]
+    -> [1, S, H, D]. What `per_sequence_attention` gives an encoder (`is_causal` False) at those positions, for S
+    queries instead of N. In the CPU's half precision when autocast or the inputs ask for it, as there."""
+    def sequence(positions: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(bounds[1:], positions, right=True)
+
+    allowed = sequence(at)[:, None] == sequence(torch.arange(key.shape[2], device=key.device))[None]  # [S, N]
+    if (dtype := _cpu_half_dtype(query)) is not None:
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[None, None], dropout_p=dropout,
+                                          scale=scaling).transpose(1, 2)
+
+
 def register_shared_attention() -> str:
     """Make `SHARED_ATTENTION` a transformers attention implementation (idempotent); returns its name."""
     from transformers import AttentionInterface

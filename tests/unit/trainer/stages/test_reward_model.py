@@ -92,6 +92,16 @@ def test_packed_rows_score_like_padded_ones(tiny_model, pad, one_row):
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
+def tiny_bert_reward_model(tokenizer):
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, num_labels=1, pad_token_id=tokenizer.pad_token_id, initializer_range=0.1))
+
+
 @pytest.mark.parametrize("pooler", [True, False])
 def test_an_encoder_scores_one_packed_row_like_padded_ones(tiny_model, pooler):
     """A BERT-style encoder reads its reward at the pooled first token (`classifier` after `pooler`, or a
@@ -99,17 +109,13 @@ def test_an_encoder_scores_one_packed_row_like_padded_ones(tiny_model, pooler):
     (bidirectional) attention apart and the rewards are the padded ones. Rows without bounds would let the texts
     attend to each other, which is why encoders pack into one row only."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
 
     from trainer.engine.attention import use_alignflow_attention
     from trainer.engine.models import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model)
     data = packing_data(tokenizer)
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=128, num_labels=1, pad_token_id=tokenizer.pad_token_id, initializer_range=0.1)).eval()
+    model = tiny_bert_reward_model(tokenizer).eval()
     if not pooler:
         model.bert.pooler = None
         model.classifier = torch.nn.Sequential(torch.nn.Linear(32, 1))
@@ -129,6 +135,58 @@ def test_an_encoder_scores_one_packed_row_like_padded_ones(tiny_model, pooler):
     assert a.std() > 1e-3, "the rewards must tell the texts apart for the comparison to mean anything"
     torch.testing.assert_close(one_row, a, atol=1e-5, rtol=1e-4)
     assert (rows - a).abs().max() > 1e-3, "without bounds the packed texts attend to each other"
+
+
+def test_an_encoders_top_layer_runs_at_the_first_tokens_only(tiny_model, monkeypatch):
+    """In one packed row, an encoder's top layer runs its queries, attention output and feed-forward block at the
+    2B first tokens only (`encode_first_tokens`), its keys and values over the whole row. In float32 the rewards
+    and every parameter's gradient are what the whole row's top layer gives; under bf16 autocast they are as far
+    from float32's as the whole row's are (the rounding differs, not the accuracy)."""
+    import statistics
+
+    import torch
+
+    from trainer.engine.attention import use_alignflow_attention
+    from trainer.engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    data = packing_data(tokenizer)
+    model = tiny_bert_reward_model(tokenizer)  # training mode: dropout probabilities are 0.1 here
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # as the stage's `disable_dropout` leaves them, so that both passes draw nothing
+    use_alignflow_attention(model)
+    batch = reward.collate(data, list(range(len(data))), tokenizer.pad_token_id, pack_to=64, one_row=True)
+    rows_seen = []
+    model.bert.encoder.layer[-1].intermediate.dense.register_forward_hook(
+        lambda module, args, out: rows_seen.append(args[0].shape[-2]))
+
+    def rewards_and_grads(bf16: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            rewards = torch.cat(reward.pair_rewards(model, batch))
+        (rewards * torch.linspace(-1, 1, len(rewards))).sum().backward()
+        return rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    top = {bf16: rewards_and_grads(bf16) for bf16 in (False, True)}
+    monkeypatch.setattr(reward, "top_layer_runs_apart", lambda backbone: False)  # the whole row's top layer
+    whole = {bf16: rewards_and_grads(bf16) for bf16 in (False, True)}
+    assert rows_seen == [2 * len(data)] * 2 + [batch.input_ids.shape[1]] * 2
+    (exact, exact_grads), (rewards, grads) = whole[False], top[False]
+    assert exact.std() > 1e-3, "the rewards must tell the texts apart for the comparison to mean anything"
+    torch.testing.assert_close(rewards, exact, atol=1e-5, rtol=1e-4)
+    # Key biases get no gradient in exact arithmetic (they shift all of a query's scores alike): only rounding.
+    largest = max(float(g.norm()) for g in exact_grads.values())
+    compared = [name for name, g in exact_grads.items() if float(g.norm()) > 1e-4 * largest]
+    assert top[False][1].keys() == exact_grads.keys() and len(compared) > 30
+
+    def errors(found: dict) -> list[float]:  # each parameter's relative gradient error against float32's
+        return [float((found[n] - exact_grads[n]).norm() / exact_grads[n].norm()) for n in compared]
+
+    assert max(errors(grads)) < 1e-4
+    top_error, whole_error = statistics.median(errors(top[True][1])), statistics.median(errors(whole[True][1]))
+    assert top_error < 1.5 * whole_error + 1e-3, (top_error, whole_error)
+    torch.testing.assert_close(top[True][0], exact, atol=3e-2, rtol=3e-2)
 
 
 def test_padding_free_names_a_model_without_a_reward_head():
