@@ -653,11 +653,19 @@ def _best_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> list[
 
 def matmul_peak(dtype: str, size: int = 2048, repeats: int = 15) -> dict[str, float]:
     """FLOP/s of `torch.matmul` on two `size` x `size` matrices of `dtype` (torch's thread count):
-    `peak` from the fastest call, `median` over all (on a shared machine the fastest is the capability)."""
+    `peak` from the fastest call, `median` over all (on a shared machine the fastest is the capability).
+    A dtype this CPU has no fast kernels for (bf16 without AVX-512 BF16 or AMX: ~1 GFLOP/s, seconds a call at
+    this size) is timed on 512 x 512 matrices, 3 calls."""
     import torch
 
-    a, b = (torch.randn(size, size).to(getattr(torch, dtype)) for _ in range(2))
-    out = torch.empty(size, size, dtype=a.dtype)
+    def matrices(n: int):
+        return [torch.randn(n, n).to(getattr(torch, dtype)) for _ in range(2)] + [torch.empty(0, dtype=getattr(
+            torch, dtype))]
+
+    a, b, out = matrices(256)
+    if 2.0 * 256**3 / min(_best_seconds(lambda: torch.matmul(a, b, out=out), 1)) < 10e9:
+        size, repeats = 512, 3
+    a, b, out = matrices(size)
     times = _best_seconds(lambda: torch.matmul(a, b, out=out), repeats)
     flops = 2.0 * size**3
     return {"peak": flops / min(times), "median": flops / median(times), "size": size}

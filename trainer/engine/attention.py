@@ -309,7 +309,7 @@ def attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     -> [1, S, H, D]. What `per_sequence_attention` gives an encoder (`is_causal` False) at those positions, for S
     queries instead of N. In the CPU's half precision when autocast or the inputs ask for it, as there."""
     def sequence(positions: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(bounds[1:], positions, right=True)
+        return torch.searchsorted(bounds[1:], positions.contiguous(), right=True)
 
     allowed = sequence(at)[:, None] == sequence(torch.arange(key.shape[2], device=key.device))[None]  # [S, N]
     if (dtype := _cpu_half_dtype(query)) is not None:
