@@ -44,6 +44,7 @@ from tests.helpers import (
     weights,
 )
 from tests.references import ppo_args
+from tests.stage.test_reward_model import tiny_bert  # noqa: F401 (a fixture)
 from trainer.engine import checkpoint as ckpt
 from trainer.engine.distributed import RANK_REPORT_ENV
 from trainer.engine.preemption import PREEMPTED_EXIT_CODE
@@ -126,20 +127,39 @@ def test_two_ranks_match_one(stage, mode, lora, tiny_model, toy_prompts, referen
         assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-4)
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_padding_free_two_ranks_under_zero3_match_one(stage, tiny_model, toy_prompts, reference_run):
+@pytest.mark.parametrize("stage", ["sft", "reward", "reward-encoder"])
+def test_padding_free_two_ranks_under_zero3_match_one(stage, tiny_model, toy_prompts, reference_run, request):
     """Padding-free SFT and reward models on the CPU: each rank's micro-batch is one packed row whose bounds reach
     the attention through DeepSpeed's engine and the stage's wrapper (TargetLM, PackedRewards); two ranks train
-    what one trains, and both runs' manifests say the runs were padding-free (no fallback to padded batches)."""
+    what one trains, and both runs' manifests say the runs were padding-free (no fallback to padded batches).
+    The encoder (BERT-style) runs its top layer at the first tokens only, calling the layer's parts itself
+    (`reward_model.encode_first_tokens`), where ZeRO-3 gathers each part's shards in its own hooks."""
     free = ("--padding_free", "true")
+    encoder = stage == "reward-encoder"
+    stage, tiny_model = ("reward", request.getfixturevalue("tiny_bert")) if encoder else (stage, tiny_model)
     reference = reference_run(stage, *run_args(stage, tiny_model, toy_prompts, False), *free)
     out = reference_run(stage, *run_args(stage, tiny_model, toy_prompts, False, "zero3"), *free)
     manifests = [json.loads((folder / ckpt.MANIFEST).read_text()) for folder in (out, reference)]
     assert manifests[0]["zero_stage"] == 3
     assert all(m["config"]["padding_free"] is True for m in manifests)
-    assert max_difference(weights(out), weights(reference)) < 1e-4
-    trained, initial = weights(reference), weights(tiny_model)  # (the reward model's score head is new)
-    assert max_difference({k: trained[k] for k in initial}, initial) > 1e-3
+    found, trained, initial = weights(out), weights(reference), weights(tiny_model)
+    legacy_names = encoder and any(name.endswith("LayerNorm.gamma") for name in found)
+    if encoder:
+        # Under ZeRO-3 transformers saves BERT's LayerNorms under their legacy names (gamma, beta): flagged below.
+        found = {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
+                 for k, v in found.items()}
+        # The score head's bias and the attention's key biases get no gradient in exact arithmetic (the loss sees
+        # reward differences; a key bias shifts all of a query's scores alike), so AdamW moves them by ~lr a step in
+        # whatever direction the rounding points: they are not comparable across reduction orders.
+        zero_gradient = [k for k in trained if k == "classifier.bias" or k.endswith("attention.self.key.bias")]
+        found, trained = ({k: v for k, v in w.items() if k not in zero_gradient} for w in (found, trained))
+        assert len(zero_gradient) == 3 and len(trained) > 30
+    assert max_difference(found, trained) < 1e-4
+    compared = [k for k in initial if k in trained]  # (a reward model's score head is new)
+    assert max_difference({k: trained[k] for k in compared}, {k: initial[k] for k in compared}) > 1e-3
+    if legacy_names:
+        pytest.xfail("known bug: a BERT model trained under ZeRO-3 is saved with LayerNorm.gamma/beta "
+                     "(transformers reverts the legacy renaming that its ZeRO-3 load path attached); not fixed yet")
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])
