@@ -658,9 +658,10 @@ def matmul_peak(dtype: str, size: int = 2048, repeats: int = 15) -> dict[str, fl
     this size) is timed on 512 x 512 matrices, 3 calls."""
     import torch
 
-    def matrices(n: int):
-        return [torch.randn(n, n).to(getattr(torch, dtype)) for _ in range(2)] + [torch.empty(0, dtype=getattr(
-            torch, dtype))]
+    kind = getattr(torch, dtype)
+
+    def matrices(n: int):  # a, b and the output
+        return torch.randn(n, n).to(kind), torch.randn(n, n).to(kind), torch.empty(n, n, dtype=kind)
 
     a, b, out = matrices(256)
     if 2.0 * 256**3 / min(_best_seconds(lambda: torch.matmul(a, b, out=out), 1)) < 10e9:

@@ -130,8 +130,8 @@ def dpo_loss(
         chosen = policy_chosen_logps - ref_chosen_logps  # [B]
         rejected = policy_rejected_logps - ref_rejected_logps  # [B]
     losses = DPO_LOSSES[loss_type](chosen, rejected, beta=beta, label_smoothing=label_smoothing,
-                                   simpo_gamma=simpo_gamma,
-                           chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+                                   simpo_gamma=simpo_gamma, chosen_lengths=chosen_lengths,
+                                   rejected_lengths=rejected_lengths)
     chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
 
     stats = {
