@@ -195,12 +195,27 @@ def _bare_models() -> Iterator[None]:
         modeling_utils.unwrap_model = real
 
 
+def _forget_unused_conversions(*models) -> None:
+    """Keep only the key renamings that loading `models` actually applied, for `save_pretrained` to revert.
+
+    transformers' ZeRO-3 loader attaches every renaming it tried, the legacy `LayerNorm.gamma/beta` ones included,
+    where its usual loader keeps the ones that matched a key; `save_pretrained` reverts each attached one, so a
+    BERT-style model trained under ZeRO-3 would be saved as `LayerNorm.gamma`/`beta`. This does what the usual
+    loader does (transformers 5.19), in every submodule (a PeftModel's base model, a critic)."""
+    for model in models:
+        for module in model.modules() if hasattr(model, "modules") else ():
+            conversions = getattr(module, "_weight_conversions", None)
+            if conversions:
+                module._weight_conversions = [c for c in conversions if c.was_used()]
+
+
 @_bare_models()
 def _write_folder(staging: Path, model, tokenizer, manifest, history, state, optimizer, scheduler, merge_lora,
                   heads, card) -> None:
     """Every file of a checkpoint but its marker, into the local folder `staging`."""
     staging.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(staging / STATE_DIR, ignore_errors=True)
+    _forget_unused_conversions(model, *(heads or {}).values())
     model.save_pretrained(staging, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)

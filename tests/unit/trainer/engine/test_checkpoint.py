@@ -123,3 +123,22 @@ def test_saving_a_model_loads_neither_deepspeed_nor_mlflow(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert ckpt.is_complete(str(tmp_path / "out")) and (tmp_path / "out" / "model.safetensors").stat().st_size > 1000
+
+
+def test_a_model_loaded_by_the_zero3_loader_is_saved_under_its_own_tensor_names(tmp_path):
+    """transformers' ZeRO-3 loader attaches every key renaming it tried to the model, the legacy
+    `LayerNorm.gamma -> LayerNorm.weight` among them, and `save_pretrained` reverts each attached one. A BERT
+    checkpoint is saved with the names of its model (and of the file it was loaded from), as without ZeRO-3."""
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertForSequenceClassification
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32, num_labels=1))
+    # What `integrations.deepspeed._load_state_dict_into_zero3_model` keeps: the whole mapping, none of it used.
+    model._weight_conversions = get_model_conversion_mapping(model)
+    assert any("gamma" in str(c.source_patterns) for c in model._weight_conversions)  # (the legacy renaming)
+    ckpt.save_checkpoint(str(tmp_path / "out"), model, None, {}, [])
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert saved.keys() == model.state_dict().keys()
+    assert "bert.embeddings.LayerNorm.weight" in saved
