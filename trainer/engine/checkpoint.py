@@ -203,7 +203,7 @@ def _forget_unused_conversions(*models) -> None:
     BERT-style model trained under ZeRO-3 would be saved as `LayerNorm.gamma`/`beta`. This does what the usual
     loader does (transformers 5.19), in every submodule (a PeftModel's base model, a critic)."""
     for model in models:
-        for module in model.modules() if hasattr(model, "modules") else ():
+        for module in model.modules():
             conversions = getattr(module, "_weight_conversions", None)
             if conversions:
                 module._weight_conversions = [c for c in conversions if c.was_used()]
