@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up .venv and run the whole test suite (unit, stage, e2e; GPU tests skip without a GPU) under
-# coverage. Writes to $TEST_OUTPUT (default test-output/): durations.tsv (seconds, outcome, test id, one
-# line per test as it ends), junit.xml, coverage.txt (line and branch coverage of trainer/, components/,
-# pipelines/, sub-processes included) and coverage.json; prints the slowest tests and the coverage total.
+# Set up .venv and run the whole test suite (unit, stage, e2e; GPU tests skip without a GPU). Writes to
+# $TEST_OUTPUT (default test-output/): durations.tsv (seconds, outcome, test id, one line per test as it ends) and
+# junit.xml; prints the slowest tests. COVERAGE=1 runs it under coverage.py and adds coverage.txt (line and branch
+# coverage of trainer/, components/, pipelines/, sub-processes included), coverage.json and the coverage total.
 #   bash scripts/test.sh [pytest args]     e.g.  bash scripts/test.sh tests/unit   (the unit tier)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,13 +20,20 @@ if [ ! -e "$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so" ]; then
 fi
 .venv/bin/ruff check .
 
-# Coverage follows every Python sub-process (`patch = subprocess`); ranks other than 0 and `accelerate launch`
-# run untraced (scripts/coverage_scope.py says why): two .pth files around coverage's own (a1_coverage.pth).
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-rm -f "$site/a0_alignflow_rank0_coverage.pth"  # (the single-file version before the launcher was left out)
-cp scripts/coverage_scope.py "$site/alignflow_coverage_scope.py"
-echo 'import alignflow_coverage_scope; alignflow_coverage_scope.before()' > "$site/a0_alignflow_coverage.pth"
-echo 'import alignflow_coverage_scope; alignflow_coverage_scope.after()' > "$site/a2_alignflow_coverage.pth"
+# Coverage (COVERAGE=1) follows every Python sub-process (`patch = subprocess`); ranks other than 0 and `accelerate
+# launch` run untraced (scripts/coverage_scope.py says why): two .pth files around coverage's own (a1_coverage.pth).
+# It is off by default: its tracer makes the in-process tiers take ~60% longer (tests/unit and tests/stage with two
+# workers, inductor's cache warm: 316 s against 194 s on 2 cores). The .pth files do nothing in a process without it.
+coverage=${COVERAGE:-0}
+pytest=(.venv/bin/python -m pytest)
+if [ "$coverage" = 1 ]; then
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    rm -f "$site/a0_alignflow_rank0_coverage.pth"  # (the single-file version before the launcher was left out)
+    cp scripts/coverage_scope.py "$site/alignflow_coverage_scope.py"
+    echo 'import alignflow_coverage_scope; alignflow_coverage_scope.before()' > "$site/a0_alignflow_coverage.pth"
+    echo 'import alignflow_coverage_scope; alignflow_coverage_scope.after()' > "$site/a2_alignflow_coverage.pth"
+    pytest=(.venv/bin/python -m coverage run -m pytest)
+fi
 
 out=$(mkdir -p "${TEST_OUTPUT:-test-output}" && cd "${TEST_OUTPUT:-test-output}" && pwd)
 rm -f "$out"/durations.tsv "$out"/.coverage*
@@ -40,7 +47,7 @@ status=0
 # Two workers (pytest-xdist): most tests wait on processes, servers and imports more than they compute, so
 # both cores stay busy; tests that share a module-scoped fixture run on one worker (tests/conftest.py).
 # TEST_WORKERS=0 runs everything in this process.
-.venv/bin/python -m coverage run -m pytest -q -ra -n "${TEST_WORKERS:-2}" --dist loadgroup \
+"${pytest[@]}" -q -ra -n "${TEST_WORKERS:-2}" --dist loadgroup \
     --junitxml="$out/junit.xml" "$@" || status=$?
 echo "pytest wall: $(( $(date +%s) - started )) s"
 if [ -n "$ticks_before" ]; then
@@ -55,12 +62,13 @@ if [ -s "$out/durations.tsv" ]; then
     awk -F'\t' '{split($3, id, "::"); t[id[1]] += $1} END {for (f in t) printf "%8.1f  %s\n", t[f], f}' \
         "$out/durations.tsv" | sort -rn
 fi
-.venv/bin/python -m coverage combine -q || true  # (no data files when pytest selected nothing)
-.venv/bin/python -m coverage report > "$out/coverage.txt" || true
-.venv/bin/python -m coverage json -q -o "$out/coverage.json" || true
-echo "--- coverage (line and branch; the whole table in $out/coverage.txt) ---"
-grep "^TOTAL" "$out/coverage.txt" || true
-.venv/bin/python - "$out/coverage.json" <<'PY' || true
+if [ "$coverage" = 1 ]; then
+    .venv/bin/python -m coverage combine -q || true  # (no data files when pytest selected nothing)
+    .venv/bin/python -m coverage report > "$out/coverage.txt" || true
+    .venv/bin/python -m coverage json -q -o "$out/coverage.json" || true
+    echo "--- coverage (line and branch; the whole table in $out/coverage.txt) ---"
+    grep "^TOTAL" "$out/coverage.txt" || true
+    .venv/bin/python - "$out/coverage.json" <<'PY' || true
 import json, sys
 from collections import Counter
 
@@ -71,4 +79,5 @@ for path, data in json.load(open(sys.argv[1]))["files"].items():
         covered[package] += data["summary"]["covered_lines"]
 print("line coverage:", ", ".join(f"{p} {100 * covered[p] / lines[p]:.1f}% of {lines[p]}" for p in sorted(lines)))
 PY
+fi
 exit "$status"
