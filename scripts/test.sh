@@ -22,8 +22,8 @@ fi
 
 # Coverage (COVERAGE=1) follows every Python sub-process (`patch = subprocess`); ranks other than 0 and `accelerate
 # launch` run untraced (scripts/coverage_scope.py says why): two .pth files around coverage's own (a1_coverage.pth).
-# It is off by default: its tracer makes the in-process tiers take ~60% longer (tests/unit and tests/stage with two
-# workers, inductor's cache warm: 316 s against 194 s on 2 cores). The .pth files do nothing in a process without it.
+# It is off by default: its tracer makes the in-process tiers take ~60% longer (docs/development.md has the
+# measurement). The .pth files do nothing in a process without it.
 coverage=${COVERAGE:-0}
 pytest=(.venv/bin/python -m pytest)
 if [ "$coverage" = 1 ]; then

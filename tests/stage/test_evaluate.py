@@ -173,6 +173,21 @@ def test_generation_reports_progress_off_a_terminal(answers_seven, gsm_like, tmp
     assert all("ETA" in line for line in lines)
 
 
+def test_bfloat16_where_the_cpu_has_slow_bf16_kernels_warns_and_evaluates(answers_seven, gsm_like, tmp_path,
+                                                                          monkeypatch, caplog):
+    """`dtype bfloat16` on a CPU whose bfloat16 matmuls are slow (faked: the probe measures the hardware) gets a
+    warning naming `--dtype float32`; the evaluation still runs in bfloat16."""
+    import logging
+
+    from trainer.engine import precision
+
+    monkeypatch.setattr(precision, "matmul_flops", lambda dtype, **_: 0.9e9 if dtype == torch.bfloat16 else 150e9)
+    with caplog.at_level(logging.WARNING, logger="trainer.stages.evaluate"):
+        metrics = run_evaluate(_config(tmp_path, model=answers_seven, dataset=gsm_like, dtype="bfloat16"))
+    assert "bfloat16 is slow on this CPU" in caplog.text and "(`--dtype float32`)" in caplog.text
+    assert metrics["num_samples"] == 3
+
+
 def test_chat_prompts_get_chat_completions(answers_seven, tmp_path):
     """A chat prompt is rendered with the template, and reward functions receive
     [{"role": "assistant", "content": ...}] completions, as in TRL."""

@@ -129,6 +129,24 @@ def test_padding_free_is_the_default_and_falls_back_when_attention_mixes_example
     assert json.loads((mixed / ckpt.MANIFEST).read_text())["config"]["padding_free"] is False
 
 
+def test_bf16_where_the_cpu_has_slow_bf16_kernels_warns_once_and_trains_as_asked(tiny_model, tmp_path, monkeypatch,
+                                                                                   caplog):
+    """A CPU whose bfloat16 matmuls are slow (faked: the probe measures the hardware, and this suite runs on CPUs
+    with and without bf16 kernels) gets one warning that names the option to turn off; the run trains in bf16 as
+    asked. In float32 nothing is said."""
+    from trainer.engine import precision
+
+    monkeypatch.setattr(precision, "matmul_flops", lambda dtype, **_: 0.9e9 if dtype == torch.bfloat16 else 150e9)
+    with caplog.at_level(logging.WARNING):
+        run_sft(sft_config(tiny_model, tmp_path / "bf16", max_steps=1, per_device_batch_size=4, bf16=True))
+    assert caplog.text.count("bfloat16 is slow on this CPU") == 1 and "(`--bf16 false`)" in caplog.text
+    assert json.loads((tmp_path / "bf16" / ckpt.MANIFEST).read_text())["mixed_precision"] == "bf16"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run_sft(sft_config(tiny_model, tmp_path / "fp32", max_steps=1, per_device_batch_size=4))
+    assert "is slow on this CPU" not in caplog.text
+
+
 def test_torch_compile_trains_the_weights_of_eager_layers(tiny_model, tmp_path):
     """`torch_compile`: the decoder layers run as compiled graphs and train eager's weights (float rounding
     apart: inductor fuses the elementwise work)."""

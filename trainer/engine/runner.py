@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from trainer.engine import attention, distributed, hub, identity
+from trainer.engine import attention, distributed, hub, identity, precision
 from trainer.engine import checkpoint as ckpt
 from trainer.engine.loop import MetricWindow, build_optimizer, build_scheduler, set_seed, step_batches
 from trainer.engine.models import compile_blocks, eval_mode
@@ -222,6 +222,8 @@ class StageRunner:
         self.scheduler = build_scheduler(optimizer, config, total_steps)
         distributed.fill_deepspeed_config(self.accelerator, config.per_device_batch_size,
                                           config.gradient_accumulation_steps, config.max_grad_norm)
+        if self.is_main:
+            self._check_precision(model)
         attention.use_alignflow_attention(model)  # faster training forwards on the CPU in half precision
         if getattr(config, "torch_compile", False):
             log.info("torch_compile: %d blocks compile on their first forwards.", compile_blocks(model))
@@ -236,6 +238,16 @@ class StageRunner:
                                  config.disable_progress_bar or not self.is_main)
         self.tracker  # noqa: B018 (opens the MLflow run now that setup can no longer fail)
         return self.model
+
+    def _check_precision(self, model: torch.nn.Module) -> None:
+        """Warn when the precision the forwards and backwards compute in (autocast's, else the weights') is one
+        this CPU has no fast matmul kernels for (`trainer.engine.precision`)."""
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.runtime["mixed_precision"])
+        weights = next(model.parameters()).dtype
+        fixes = ([f"`--{self.runtime['mixed_precision']} false`"] if autocast else []) + \
+            (["`--dtype float32`"] if weights != torch.float32 else [])
+        if warning := precision.slow_half_precision(self.device, autocast or weights, " and ".join(fixes)):
+            log.warning(warning)
 
     def model_without_autocast(self) -> torch.nn.Module:
         """What `self.model` runs, in the weights' own precision: float32 master weights stay float32 under

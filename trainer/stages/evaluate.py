@@ -48,6 +48,7 @@ from trainer.data.chat_templates import is_conversational
 from trainer.data.sources import load_rows
 from trainer.engine.completions import batched_logps, build_batch, completions_table, prompt_token_ids
 from trainer.engine.models import load_causal_lm, load_tokenizer, model_and_tokenizer, resolve_model_path
+from trainer.engine.precision import slow_half_precision
 from trainer.errors import ConfigError, DataError
 from trainer.io import storage
 from trainer.io.progress import Reporter
@@ -192,6 +193,8 @@ def _evaluate(config: EvalConfig, workdir: str) -> dict[str, float]:
         # 2. The model's completions, and its KL to the reference while it is loaded.
         device = _device()
         model = load_causal_lm(model_path, config.dtype, config.trust_remote_code).to(device).eval()
+        if warning := slow_half_precision(device, model.dtype, "`--dtype float32`"):
+            log.warning(warning)
         prompt_ids, completions = generate(model, tokenizer, prompts, config)
         texts = decode(tokenizer, completions)
         shaped = shape_like_prompts(texts, prompts)
