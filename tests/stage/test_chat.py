@@ -66,6 +66,21 @@ def test_repl_keeps_history_and_resets(sft_checkpoint):
     assert second == direct_greedy(sft_checkpoint, ids, 12)
 
 
+def test_bfloat16_where_the_cpu_has_slow_bf16_kernels_warns_on_stderr_and_replies(sft_checkpoint, capsys,
+                                                                                   monkeypatch):
+    """`--dtype bfloat16` on a CPU whose bfloat16 matmuls are slow (faked: the probe measures the hardware) says so
+    on stderr, naming `--dtype float32`; stdout carries the reply alone."""
+    from trainer.engine import precision
+
+    monkeypatch.setattr(precision, "matmul_flops", lambda dtype, **_: 0.9e9 if dtype == torch.bfloat16 else 150e9)
+    capsys.readouterr()
+    assert cli.main(["chat", sft_checkpoint, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "4",
+                     "--dtype", "bfloat16"]) == 0
+    out, err = capsys.readouterr()
+    assert "alignflow chat: bfloat16 is slow on this CPU" in err and "(`--dtype float32`)" in err
+    assert out.strip() and "slow" not in out
+
+
 def test_lora_adapter_folder_chats_on_its_base(tiny_model, tmp_path, capsys):
     adapter = tiny_sft(tiny_model, tmp_path / "lora", lora_r=8, learning_rate=1e-2)
     reply = run_chat(capsys, adapter, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "8")

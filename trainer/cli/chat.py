@@ -127,6 +127,7 @@ def open_session(args: argparse.Namespace, workdir: str) -> ChatSession:
     from transformers import AutoConfig
 
     from trainer.engine.models import _is_adapter, load_causal_lm, load_tokenizer
+    from trainer.engine.precision import slow_half_precision
 
     path = local_model(args.model, workdir, args.tracking_uri)
     tokenizer = load_tokenizer(path, args.trust_remote_code)
@@ -134,7 +135,10 @@ def open_session(args: argparse.Namespace, workdir: str) -> ChatSession:
     model = None
     if args.engine == "hf" or adapter:  # vLLM needs a full model folder: merge the adapter first
         model = load_causal_lm(path, args.dtype, args.trust_remote_code)
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model.to(device)
+        if args.engine == "hf" and (warning := slow_half_precision(device, model.dtype, "`--dtype float32`")):
+            print(f"alignflow chat: {warning}", file=sys.stderr)
     if args.engine == "vllm" and adapter:
         path = str(Path(workdir, "merged"))
         model.save_pretrained(path)

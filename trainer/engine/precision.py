@@ -7,9 +7,10 @@ step takes far longer with `--bf16 true` than without (benchmarks/NOTES.md, "nin
 commands pass `--bf16`; on such a machine the run is silently one or two orders of magnitude slower than the same
 run in float32.
 
-So a CPU run in half precision times one small matmul in that dtype and in float32 (~0.2 s where the half kernels
-are slow, ~1 ms where they are fast) and logs a warning with both rates when the half one is under half the
-float32 one. What the run computes never changes: it trains in the precision it was given.
+So a CPU run in half precision (training: `StageRunner.prepare`; `alignflow eval`; `alignflow chat` with the hf
+engine) times one small matmul in that dtype and in float32 (~0.2 s where the half kernels are slow, ~1 ms where
+they are fast) and warns, with both rates, when the half one is under half the float32 one. What the run computes
+never changes: it runs in the precision it was given.
 """
 
 from __future__ import annotations
