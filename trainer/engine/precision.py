@@ -1,11 +1,11 @@
 """Whether this CPU computes fast in the half precision a run asks for, measured before it trains.
 
-x86 CPUs without bf16 instructions (no AVX512-BF16 or AMX: most AMD EPYC and Ryzen before Zen 4, Intel's client
-CPUs; torch reports their capability as AVX2) have no fast bfloat16 or float16 matmul kernels. On a 2-core AMD
-EPYC, a 1024 x 1024 matmul runs at 0.9 GFLOP/s in bfloat16 against 150 GFLOP/s in float32, and a SmolLM2 SFT
-step takes far longer with `--bf16 true` than without (benchmarks/NOTES.md, "nineteenth session"). TRL's example
-commands pass `--bf16`; on such a machine the run is silently one or two orders of magnitude slower than the same
-run in float32.
+Where torch's CPU capability is AVX2 (x86 without AVX-512: AMD before Zen 4, Intel's client CPUs), torch has no
+fast bfloat16 matmul kernels. On a 2-core AMD EPYC of that kind a 1024 x 1024 matmul runs at 0.9 GFLOP/s in
+bfloat16 against 150 GFLOP/s in float32, and a SmolLM2 SFT step takes 51 s with `--bf16 true` against 2 s without
+(benchmarks/NOTES.md, "nineteenth session"). TRL's example commands pass `--bf16`; on such a machine the run was
+an order of magnitude slower than in float32, and nothing said why. The probe measures rather than reads the
+capability, so CPUs whose half-precision kernels are fast (AVX512-BF16, AMX) get no warning.
 
 So a CPU run in half precision (training: `StageRunner.prepare`; `alignflow eval`; `alignflow chat` with the hf
 engine) times one small matmul in that dtype and in float32 (~0.2 s where the half kernels are slow, ~1 ms where
