@@ -4,8 +4,9 @@ Coverage follows every Python sub-process (`patch = subprocess`), at roughly 1.3
 of process run untraced:
 - ranks other than 0: they run the same code as rank 0. Their environment (and their children's) loses
   the coverage settings.
-- `accelerate launch`, the launcher of a run's ranks: it runs none of the project's code. It skips coverage
-  itself but hands the settings on to the ranks it starts (rank 0 is measured).
+- `accelerate launch` started by hand (`alignflow train` runs the launcher in its own process): it runs none
+  of the project's code. It skips coverage itself but hands the settings on to the ranks it starts (rank 0 is
+  measured).
 
 In a measured process, the imports of other packages (torch, transformers, datasets, ...) run untraced: tracing
 them measures nothing (coverage's `source` is the project's own packages) and cost ~1.6 CPU-s of a training

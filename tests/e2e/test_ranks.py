@@ -1,7 +1,7 @@
 """Two CPU ranks (gloo) give the weights one rank gives at the same global batch.
 
 Issue 17's proof of the multi-GPU path without a GPU: `alignflow train STAGE --num_processes 2`
-starts real ranks through `accelerate launch`, with plain DDP or DeepSpeed ZeRO-2 / ZeRO-3, for
+starts real ranks with accelerate's launcher (torchrun's agent), with plain DDP or DeepSpeed ZeRO-2 / ZeRO-3, for
 full fine-tuning and for LoRA. One rank trains with per_device_batch_size B, two with B/2 each;
 after 6 steps the weights must agree within 1e-4 (float32 reductions in another order differ at
 ~1e-6), and must have moved far more than that.
