@@ -655,19 +655,15 @@ def matmul_peak(dtype: str, size: int = 2048, repeats: int = 15) -> dict[str, fl
     """FLOP/s of `torch.matmul` on two `size` x `size` matrices of `dtype` (torch's thread count):
     `peak` from the fastest call, `median` over all (on a shared machine the fastest is the capability).
     A dtype this CPU has no fast kernels for (bf16 without AVX-512 BF16 or AMX: ~1 GFLOP/s, seconds a call at
-    this size) is timed on 512 x 512 matrices, 3 calls."""
+    this size) is timed on 512 x 512 matrices, 3 calls. (The trainer's own probe, `trainer.engine.precision`.)"""
     import torch
 
+    from trainer.engine.precision import matmul_seconds
+
     kind = getattr(torch, dtype)
-
-    def matrices(n: int):  # a, b and the output
-        return torch.randn(n, n).to(kind), torch.randn(n, n).to(kind), torch.empty(n, n, dtype=kind)
-
-    a, b, out = matrices(256)
-    if 2.0 * 256**3 / min(_best_seconds(lambda: torch.matmul(a, b, out=out), 1)) < 10e9:
+    if 2.0 * 256**3 / min(matmul_seconds(kind, 256, repeats=1, warmup=2)) < 10e9:
         size, repeats = 512, 3
-    a, b, out = matrices(size)
-    times = _best_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+    times = matmul_seconds(kind, size, repeats, warmup=2)
     flops = 2.0 * size**3
     return {"peak": flops / min(times), "median": flops / median(times), "size": size}
 

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import cli
-from tests.helpers import tiny_sft
+from tests.helpers import slow_bf16_kernels, tiny_sft
 from trainer.cli import chat
 
 QUESTION = "What is the capital of Peru?"
@@ -70,9 +70,7 @@ def test_bfloat16_where_the_cpu_has_slow_bf16_kernels_warns_on_stderr_and_replie
                                                                                    monkeypatch):
     """`--dtype bfloat16` on a CPU whose bfloat16 matmuls are slow (faked: the probe measures the hardware) says so
     on stderr, naming `--dtype float32`; stdout carries the reply alone."""
-    from trainer.engine import precision
-
-    monkeypatch.setattr(precision, "matmul_flops", lambda dtype, **_: 0.9e9 if dtype == torch.bfloat16 else 150e9)
+    slow_bf16_kernels(monkeypatch)
     capsys.readouterr()
     assert cli.main(["chat", sft_checkpoint, "--prompt", QUESTION, "--temperature", "0", "--max_new_tokens", "4",
                      "--dtype", "bfloat16"]) == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import write_jsonl
+from tests.helpers import slow_bf16_kernels, write_jsonl
 from trainer.engine.models import load_reward_model, load_tokenizer
 from trainer.errors import ModelError
 from trainer.rollout import Completion
@@ -179,9 +179,7 @@ def test_bfloat16_where_the_cpu_has_slow_bf16_kernels_warns_and_evaluates(answer
     warning naming `--dtype float32`; the evaluation still runs in bfloat16."""
     import logging
 
-    from trainer.engine import precision
-
-    monkeypatch.setattr(precision, "matmul_flops", lambda dtype, **_: 0.9e9 if dtype == torch.bfloat16 else 150e9)
+    slow_bf16_kernels(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="trainer.stages.evaluate"):
         metrics = run_evaluate(_config(tmp_path, model=answers_seven, dataset=gsm_like, dtype="bfloat16"))
     assert "bfloat16 is slow on this CPU" in caplog.text and "(`--dtype float32`)" in caplog.text

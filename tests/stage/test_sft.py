@@ -8,7 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import CHAT_TEMPLATE, SerialSFT, history, max_difference, weights, without_chat_template
+from tests.helpers import (
+    CHAT_TEMPLATE,
+    SerialSFT,
+    history,
+    max_difference,
+    slow_bf16_kernels,
+    weights,
+    without_chat_template,
+)
 from trainer.config.options import parse_config
 from trainer.engine import checkpoint as ckpt
 from trainer.engine.models import load_causal_lm, load_tokenizer
@@ -134,9 +142,7 @@ def test_bf16_where_the_cpu_has_slow_bf16_kernels_warns_once_and_trains_as_asked
     """A CPU whose bfloat16 matmuls are slow (faked: the probe measures the hardware, and this suite runs on CPUs
     with and without bf16 kernels) gets one warning that names the option to turn off; the run trains in bf16 as
     asked. In float32 nothing is said."""
-    from trainer.engine import precision
-
-    monkeypatch.setattr(precision, "matmul_flops", lambda dtype, **_: 0.9e9 if dtype == torch.bfloat16 else 150e9)
+    slow_bf16_kernels(monkeypatch)
     with caplog.at_level(logging.WARNING):
         run_sft(sft_config(tiny_model, tmp_path / "bf16", max_steps=1, per_device_batch_size=4, bf16=True))
     assert caplog.text.count("bfloat16 is slow on this CPU") == 1 and "(`--bf16 false`)" in caplog.text

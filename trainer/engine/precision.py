@@ -23,17 +23,23 @@ SLOW_RATIO = 0.5  # half-precision matmuls under this fraction of float32's rate
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def matmul_flops(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
-    """FLOP/s of the fastest of `repeats` `size` x `size` matmuls in `dtype` (after one untimed call)."""
+def matmul_seconds(dtype: torch.dtype, size: int = 256, repeats: int = 3, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of `repeats` `size` x `size` matmuls in `dtype`, after `warmup` untimed ones."""
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
-    torch.matmul(a, b, out=out)
-    best = float("inf")
+    for _ in range(warmup):
+        torch.matmul(a, b, out=out)
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         torch.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / max(best, 1e-9)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def matmul_flops(dtype: torch.dtype, size: int = 256, repeats: int = 3) -> float:
+    """FLOP/s of the fastest of `repeats` `size` x `size` matmuls in `dtype` (after one untimed call)."""
+    return 2.0 * size**3 / max(min(matmul_seconds(dtype, size, repeats)), 1e-9)
 
 
 def slow_half_precision(device: torch.device, dtype: torch.dtype, fix: str) -> str | None:
