@@ -6,7 +6,8 @@ and the winner becomes @champion with the image digest in its alignflow.json, mo
 What ran where is read from Docker (its event log and the files' owners), not from the tasks' own word.
 Needs a Docker daemon and the images (`bash images/build.sh --no-push --cpu`): without them every test
 skips and says which is missing. `.ci/run` provides both (scripts/ci_containers.sh), building them while the rest
-of the suite runs with ALIGNFLOW_CONTAINER_TESTS_LATER=1, which skips this module there; it runs next, on its own.
+of the suite runs with ALIGNFLOW_CONTAINER_TESTS_LATER=1, which skips this module there; it runs in a pytest of its
+own as soon as the images are built, while the suite goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from components.images import MLFLOW_IMAGE, TRAINER_CPU_IMAGE
 from tests.servers import free_ports
 
 if os.environ.get("ALIGNFLOW_CONTAINER_TESTS_LATER") == "1":
-    pytest.skip("the images are being built beside the suite: .ci/run runs these tests after the build",
+    pytest.skip("the images are being built beside the suite: .ci/run runs these tests once they are built",
                 allow_module_level=True)
 
 DOCKER = shutil.which("docker") or "docker"
