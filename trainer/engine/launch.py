@@ -67,8 +67,10 @@ def launch(stage: str, argv: list[str], config) -> int:
     print(f"alignflow train {stage}: starting {config.num_processes} rank(s): accelerate launch "
           f"{' '.join(command[3:])}", flush=True)
     args = launch_command_parser().parse_args(command[3:])
-    # The agent sets its own handlers (they raise SignalException) and leaves them; put ours back after it.
+    # The agent sets its own handlers (they raise SignalException) and leaves them, and torchrun sets OMP_NUM_THREADS
+    # for the ranks in this process's environment: put both back after it (a KFP task goes on after its ranks).
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    environment = dict(os.environ)
     try:
         accelerate_launch(args)
         return 0
@@ -84,6 +86,8 @@ def launch(stage: str, argv: list[str], config) -> int:
               file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 1
     finally:
+        os.environ.clear()
+        os.environ.update(environment)
         if threading.current_thread() is threading.main_thread():
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -4,6 +4,7 @@ Accelerate's launcher is faked here (it would start real ranks); the real ranks,
 their weights are tests/e2e/test_ranks.py's.
 """
 
+import os
 import signal
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ def run_with(monkeypatch, outcome) -> tuple[int, object]:
     def fake(args):
         seen.append(args)
         signal.signal(signal.SIGTERM, lambda *_: None)  # as torchrun's agent does, and leaves it
+        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does for the ranks, in the launcher's environment
         outcome(args)
 
     monkeypatch.setattr(accelerate_launch, "launch_command", fake)
@@ -44,7 +46,8 @@ def test_the_command_accelerate_launch_would_get_is_parsed_by_its_own_parser(mon
     assert "starting 2 rank(s): accelerate launch --num_processes 2" in capsys.readouterr().out
 
 
-def test_a_stop_signal_is_75_and_the_handlers_are_restored(monkeypatch, capsys):
+def test_a_stop_signal_is_75_and_the_handlers_and_environment_are_restored(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = signal.getsignal(signal.SIGTERM)
 
     def stopped(args):
@@ -54,6 +57,7 @@ def test_a_stop_signal_is_75_and_the_handlers_are_restored(monkeypatch, capsys):
     assert code == PREEMPTED_EXIT_CODE
     assert "stopped by SIGTERM" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+    assert "OMP_NUM_THREADS" not in os.environ
 
 
 @pytest.mark.parametrize(("exitcode", "expected", "said"), [(2, 2, "exit code 2"), (-9, 1, "SIGKILL")])
