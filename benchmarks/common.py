@@ -655,7 +655,8 @@ def matmul_peak(dtype: str, size: int = 2048, repeats: int = 15) -> dict[str, fl
     """FLOP/s of `torch.matmul` on two `size` x `size` matrices of `dtype` (torch's thread count):
     `peak` from the fastest call, `median` over all (on a shared machine the fastest is the capability).
     A dtype this CPU has no fast kernels for (bf16 without AVX-512 BF16 or AMX: ~1 GFLOP/s, seconds a call at
-    this size) is timed on 512 x 512 matrices, 3 calls. (The trainer's own probe, `trainer.engine.precision`.)"""
+    this size) is timed on 512 x 512 matrices, 3 calls. Timed with the trainer's own probe
+    (`trainer.engine.precision.matmul_seconds`)."""
     import torch
 
     from trainer.engine.precision import matmul_seconds
