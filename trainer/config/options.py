@@ -269,6 +269,9 @@ class TrainConfig:
             values = value if isinstance(value, list) else [value]
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ConfigError(f"`{f.name}` is {value}; it must be a finite number.")
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                # Built from Python, `packing="no"` would be truthy; the CLI and YAML hand over real booleans.
+                raise ConfigError(f"`{f.name}` is {value!r} ({type(value).__name__}); give True or False.")
         for name in ("save_steps", "save_total_limit", "eval_steps", "lora_r", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be >= 0, got {getattr(self, name)}.")

@@ -124,6 +124,14 @@ def test_eval_dataset_and_ratio_error_names_both():
     assert "`eval_dataset`" in str(err.value) and "`eval_split_ratio`" in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_a_switch_built_from_python_takes_only_a_boolean(value):
+    """`packing="no"` is truthy: it would have packed. The CLI and YAML parse their booleans before this."""
+    with pytest.raises(ConfigError, match=rf"`packing` is {re.escape(repr(value))} .*True or False"):
+        SFTConfig(model="m", dataset="d", packing=value)
+    assert SFTConfig(model="m", dataset="d", packing=False).packing is False
+
+
 def test_list_fields_from_yaml_and_cli(tmp_path):
     path = _yaml(tmp_path, "model: m\ndataset: demo\nlora_target_modules: [q_proj, v_proj]\n"
                            "mlflow_tags:\n  - team=align\n  - run=1\n")
