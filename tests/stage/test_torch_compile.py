@@ -9,20 +9,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import grpo_config, ppo_config, weights
+from tests.helpers import compiles, grpo_config, ppo_config, weights
 from tests.stage.test_reward_model import agreement_data, rm_config, tiny_bert  # noqa: F401 (fixtures)
+
+pytestmark = compiles
 
 
 @pytest.fixture(autouse=True)
 def compiled_graphs():
-    """Each test's stage ran compiled graphs (dynamo's counters), not eager code. (Reset first: a layer's code
-    compiled by an earlier test in this process would be reused without a new capture.)"""
-    from torch._dynamo.utils import counters
+    """Each test's stage ran compiled graphs (dynamo's counters), not eager code, each traced in one attempt (no
+    second `compile_attempt_1` after a restart: `compile_blocks` takes Python floats as constants). (Reset first:
+    a layer's code compiled by an earlier test in this process would be reused without a new capture.)"""
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     yield
     assert counters["stats"]["unique_graphs"] >= 1
+    assert "compile_attempt_0" in compilation_time_metrics and "compile_attempt_1" not in compilation_time_metrics
 
 
 def trained(out: Path, start_folder: str) -> bool:

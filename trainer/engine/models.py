@@ -125,8 +125,14 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
 def compile_blocks(model: torch.nn.Module) -> int:
     """Compile, in place, each block of every list of same-class blocks in `model` (a transformer's decoder
     layers; accelerate's regional compilation): one compiled graph serves all layers, the state dict keeps its
-    names. Dynamic shapes, as batch widths change from step to step. Returns how many blocks."""
+    names. Dynamic shapes, as batch widths change from step to step. Returns how many blocks.
+
+    Python floats are taken as constants (a layer's are settings such as its attention scale, which sdpa takes
+    as a number): dynamo otherwise traces each layer twice, first with them as symbols, then again once that
+    fails (17 of the 84 s a tiny GRPO run spent compiling on 2 cores)."""
     from accelerate.utils.other import is_repeated_blocks
+
+    torch._dynamo.config.specialize_float = True
 
     compiled: list[str] = []
     for name, module in model.named_modules():
