@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
         if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(skip)
-        if _shares_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
+        if _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 

