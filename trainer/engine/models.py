@@ -129,7 +129,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
 
     Python floats are taken as constants (a layer's are settings such as its attention scale, which sdpa takes
     as a number): dynamo otherwise traces each layer twice, first with them as symbols, then again once that
-    fails (17 of the 84 s a tiny GRPO run spent compiling on 2 cores)."""
+    fails (a tiny float32 GRPO run on 2 cores, cold cache: 84 s before, 69 s after)."""
     from accelerate.utils.other import is_repeated_blocks
 
     torch._dynamo.config.specialize_float = True
