@@ -157,21 +157,23 @@ def test_padding_free_two_ranks_under_zero3_match_one(stage, tiny_model, toy_pro
     assert max_difference({k: trained[k] for k in compared}, {k: initial[k] for k in compared}) > 1e-3
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero2"])
-def test_compiled_two_ranks_match_one_eager_rank(mode, tiny_model, toy_prompts, reference_run, tmp_path):
-    """`torch_compile` on two ranks (DDP's gradient hooks, or ZeRO-2's, around compiled decoder layers) trains the
-    weights one eager rank trains; each rank traced its layers with dynamo (its log), and the manifest records the
-    compiled run."""
+def test_compiled_two_ranks_match_one_eager_rank(tiny_model, toy_prompts, reference_run, tmp_path):
+    """`torch_compile` on two ranks, under DDP and then under ZeRO-2 (each with its gradient hooks around compiled
+    decoder layers), trains the weights one eager rank trains; each rank traced its layers with dynamo (its log),
+    and the manifest records the compiled run. One test runs both layouts, one after the other: the second finds the
+    first's graphs in inductor's cache instead of compiling them again, side by side with the first."""
     reference = reference_run("sft", *run_args("sft", tiny_model, toy_prompts, False))
-    done = train_cli("sft", *run_args("sft", tiny_model, toy_prompts, False, mode), "--torch_compile", "true",
-                     "--output_dir", str(tmp_path / "out"), env={"TORCH_LOGS": "dynamo"})
-    for rank in (0, 1):
-        assert re.search(rf"\[rank{rank}\]:.*torchdynamo done tracing forward", done.stdout + done.stderr)
-    manifest = json.loads((tmp_path / "out" / ckpt.MANIFEST).read_text())
-    assert (manifest["world_size"], manifest["zero_stage"], manifest["config"]["torch_compile"]) == \
-        (2, ZERO_STAGE[mode], True)
-    assert max_difference(weights(tmp_path / "out"), weights(reference)) < 1e-4
     assert max_difference(weights(reference), weights(tiny_model)) > 1e-3
+    for mode in ("ddp", "zero2"):
+        done = train_cli("sft", *run_args("sft", tiny_model, toy_prompts, False, mode), "--torch_compile", "true",
+                         "--output_dir", str(tmp_path / mode), env={"TORCH_LOGS": "dynamo"})
+        for rank in (0, 1):
+            assert re.search(rf"\[rank{rank}\]:.*torchdynamo done tracing forward", done.stdout + done.stderr), \
+                f"{mode}: rank {rank} did not trace with dynamo"
+        manifest = json.loads((tmp_path / mode / ckpt.MANIFEST).read_text())
+        assert (manifest["world_size"], manifest["zero_stage"], manifest["config"]["torch_compile"]) == \
+            (2, ZERO_STAGE[mode], True), mode
+        assert max_difference(weights(tmp_path / mode), weights(reference)) < 1e-4, mode
 
 
 @pytest.mark.parametrize(("critic", "mode"), [("value_head", "zero3"), ("reward_model", "zero3")])
